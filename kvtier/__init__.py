@@ -1,0 +1,55 @@
+"""kvtier: hierarchical KV-cache offloading for LLM serving.
+
+Public names are imported lazily, so ``import kvtier`` stays cheap and never pulls in torch,
+zmq or aiobotocore until they are used.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    "ConfigError": "kvtier.errors",
+    "RequestError": "kvtier.errors",
+    "EngineConfig": "kvtier.config",
+    "TierConfig": "kvtier.config",
+    "RequestParams": "kvtier.config",
+    "KVGeometry": "kvtier.layout",
+    "LookupResult": "kvtier.types",
+    "Medium": "kvtier.types",
+    "Locality": "kvtier.types",
+    "OffloadingEvent": "kvtier.types",
+    "RequestContext": "kvtier.context",
+    "TieringManager": "kvtier.manager",
+    "Engine": "kvtier.api",
+    "open": "kvtier.api",
+    "start_in_thread": "kvtier.api",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kvtier' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.api import Engine, open, start_in_thread
+    from kvtier.config import EngineConfig, RequestParams, TierConfig
+    from kvtier.context import RequestContext
+    from kvtier.errors import ConfigError, RequestError
+    from kvtier.layout import KVGeometry
+    from kvtier.manager import TieringManager
+    from kvtier.types import Locality, LookupResult, Medium, OffloadingEvent

@@ -1,0 +1,65 @@
+"""Per-request context handed to the manager, the host tier, the policies and every tier.
+
+One ``RequestContext`` lives as long as its request; it is reused across steps. Components keep
+their own per-request state in its *state bag* (keyed by type, so two components never collide),
+and the recorded token position of each offload key lets policies restore prefix order even when
+store calls arrive out of order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from kvtier.config import RequestParams
+
+__all__ = ["RequestContext"]
+
+T = TypeVar("T")
+
+
+class RequestContext:
+    """Identity and per-request parameters of one request.
+
+    ``kv_transfer_params`` is the raw per-request dictionary; ``params`` is its validated form
+    (parsed once, on first use; bad numeric values are logged and ignored, a forbidden role
+    combination raises :class:`kvtier.RequestError`).
+    """
+
+    __slots__ = ("req_id", "kv_transfer_params", "_params", "_state", "_positions")
+
+    def __init__(self, req_id: str, kv_transfer_params: Mapping[str, Any] | None = None) -> None:
+        self.req_id = req_id
+        self.kv_transfer_params = kv_transfer_params
+        self._params: RequestParams | None = None
+        self._state: dict[type, Any] = {}
+        self._positions: dict[bytes, int] = {}
+
+    @property
+    def params(self) -> RequestParams:
+        if self._params is None:
+            from kvtier.config import RequestParams
+
+            self._params = RequestParams.from_kv_transfer_params(self.kv_transfer_params)
+        return self._params
+
+    # --- state bag ---------------------------------------------------------------------------
+    def set_state(self, obj: Any) -> None:
+        """Store ``obj`` under its own type (replacing an earlier object of that type)."""
+        self._state[type(obj)] = obj
+
+    def get_state(self, cls: type[T]) -> T | None:
+        """The object stored under ``cls``, or ``None``."""
+        return self._state.get(cls)
+
+    # --- key positions -----------------------------------------------------------------------
+    def set_offload_key_position(self, key: bytes, position: int) -> None:
+        """Record that ``key``'s chunk ends at token ``position`` of this request."""
+        self._positions[key] = position
+
+    def get_offload_key_position(self, key: bytes) -> int | None:
+        return self._positions.get(key)
+
+    def __repr__(self) -> str:
+        return f"RequestContext(req_id={self.req_id!r})"
