@@ -1,0 +1,640 @@
+"""Embedding kvtier in a server: ``kvtier.open`` and ``kvtier.start_in_thread``.
+
+``async with kvtier.open(config, geometry, device_kv) as engine`` builds the whole stack — host
+tier, copy engine, secondary tiers, manager, optional event publisher and metrics server — and
+runs every component's task group *inside the caller's* structured concurrency (asyncio or
+trio). Leaving the block closes everything: tiers are closed (all of them, even if one fails),
+jobs in flight are cancelled and reported, threads are joined.
+
+``kvtier.start_in_thread(...)`` runs the same engine on an event loop in a background thread and
+returns a blocking, thread-safe facade for callers without an event loop.
+
+All manager calls happen on the engine's event-loop thread, so the manager needs no lock.
+Components wake the engine through a callback whenever a job result or lookup verdict arrives;
+``load``/``store`` wait on that signal rather than sleeping in a poll loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import sniffio
+
+from kvtier.config import EngineConfig
+from kvtier.context import RequestContext
+from kvtier.errors import ConfigError
+from kvtier.keys import BlockHasher, chunk_keys
+from kvtier.layout import KVGeometry
+from kvtier.manager import PRIMARY_LABEL, TieringManager
+from kvtier.stats import SIZE_BUCKETS, Histogram, HistogramSnapshot
+from kvtier.types import LookupResult
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvtier.tiers.base import SecondaryTier
+    from kvtier.tiers.copy_engine import CopyEngine, CopyResult
+    from kvtier.tiers.cpu import HostTier
+
+__all__ = ["Engine", "LoadOutcome", "open", "start_in_thread", "ThreadedEngine", "CopyStatistics"]
+
+logger = logging.getLogger("kvtier.api")
+
+#: How long ``load``/``store`` wait for promotions, probes or free host slots before giving up
+#: (the request then recomputes / is not offloaded). Overridable per engine.
+DEFAULT_WAIT_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOutcome:
+    """What ``load_with_sources`` placed: new tokens, and how many came from each tier label."""
+
+    tokens: int
+    tokens_by_tier: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class CopyStatistics:
+    """Device ↔ host copy counters (read by ``kvtier.metrics``)."""
+
+    bytes_to_host: int
+    bytes_to_device: int
+    seconds_to_host: float
+    seconds_to_device: float
+    store_size: HistogramSnapshot
+    load_size: HistogramSnapshot
+    failures: int
+
+
+class _CopyCounters:
+    def __init__(self) -> None:
+        self.bytes = {"to_host": 0, "to_device": 0}
+        self.seconds = {"to_host": 0.0, "to_device": 0.0}
+        self.sizes = {"to_host": Histogram(SIZE_BUCKETS), "to_device": Histogram(SIZE_BUCKETS)}
+        self.failures = 0
+
+    def record(self, direction: str, result: CopyResult) -> None:
+        if not result.success:
+            self.failures += 1
+            return
+        self.bytes[direction] += result.nbytes
+        self.seconds[direction] += result.seconds
+        self.sizes[direction].observe(result.nbytes)
+
+    def statistics(self) -> CopyStatistics:
+        return CopyStatistics(
+            bytes_to_host=self.bytes["to_host"],
+            bytes_to_device=self.bytes["to_device"],
+            seconds_to_host=self.seconds["to_host"],
+            seconds_to_device=self.seconds["to_device"],
+            store_size=self.sizes["to_host"].snapshot(),
+            load_size=self.sizes["to_device"].snapshot(),
+            failures=self.failures,
+        )
+
+
+class Engine:
+    """A running kvtier stack. Obtain one from :func:`open` (or :func:`start_in_thread`)."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        geometry: KVGeometry,
+        device_kv: Sequence[torch.Tensor] | torch.Tensor | None = None,
+        *,
+        tp_rank: int = 0,
+        hash_algorithm: str = "sha256",
+        wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
+        kv_events_enabled: bool = False,
+    ) -> None:
+        if not math.isfinite(wait_timeout_s) or wait_timeout_s <= 0:
+            raise ConfigError(f"wait_timeout_s: {wait_timeout_s!r} is invalid; expected a positive number")
+        self.config = config
+        self.geometry = geometry
+        self.device_kv = device_kv
+        self.tp_rank = tp_rank
+        self.blocks_per_chunk = config.resolve_blocks_per_chunk(geometry.block_size)
+        self.chunk_tokens = geometry.block_size * self.blocks_per_chunk
+        self.slot_bytes = geometry.slot_bytes(self.blocks_per_chunk)
+        self.num_slots = config.num_slots(self.slot_bytes)
+        self.wait_timeout_s = wait_timeout_s
+        self.kv_events_enabled = kv_events_enabled
+        self._hasher = BlockHasher(hash_algorithm, geometry.block_size)
+        self._req_ids = itertools.count()
+        self._copy_ids = itertools.count()
+        self._copy_waiters: dict[int, tuple[anyio.Event, list[CopyResult]]] = {}
+        self._copy_counters = _CopyCounters()
+        self._tick: anyio.Event | None = None
+        self._closed = False
+        self.host: HostTier
+        self.tiers: list[SecondaryTier] = []
+        self.copy_engine: CopyEngine | None = None
+        self.manager: TieringManager
+        self.publisher: Any = None
+        self.translator: Any = None
+        self.metrics: Any = None
+        self._metrics_server: Any = None
+
+    # ------------------------------------------------------------------ construction
+    def _build_host(self) -> None:
+        from kvtier.tiers.cpu import HostTier
+
+        cfg = self.config
+        self.host = HostTier(
+            self.num_slots,
+            self.slot_bytes,
+            eviction_policy=cfg.eviction_policy,
+            cache_policy_module_path=cfg.cache_policy_module_path,
+            store_threshold=cfg.store_threshold,
+            max_tracker_size=cfg.max_tracker_size,
+            enable_events=self.kv_events_enabled,
+        )
+
+    def _build_tiers(self) -> None:
+        from kvtier.tiers.base import TierContext
+        from kvtier.tiers.factory import SecondaryTierFactory
+
+        if not self.config.secondary_tiers:
+            return
+        backend = sniffio.current_async_library()
+        run_fields = self.geometry.run_fields(self.blocks_per_chunk)
+        for tier_cfg in self.config.secondary_tiers:
+            context = TierContext(
+                index=tier_cfg.index,
+                label=tier_cfg.label,
+                slot_bytes=self.slot_bytes,
+                host=self.host.buffer,
+                geometry=self.geometry,
+                blocks_per_chunk=self.blocks_per_chunk,
+                run_fields=run_fields,
+                rank=self.tp_rank,
+                kv_events_enabled=self.kv_events_enabled,
+                self_describing_kv_events=self.config.self_describing_kv_events,
+            )
+            tier = SecondaryTierFactory.create(tier_cfg, context)
+            if getattr(tier, "requires_asyncio", False) and backend != "asyncio":
+                raise ConfigError(
+                    f"secondary_tiers[{tier_cfg.index}].type: {tier_cfg.type!r} requires the asyncio "
+                    f"event loop, but kvtier.open() runs under {backend}; use asyncio or remove the tier"
+                )
+            self.tiers.append(tier)
+
+    async def _start(self, tg: anyio.abc.TaskGroup, events: Mapping[str, Any] | None,
+                     metrics: Mapping[str, Any] | None) -> None:
+        self._tick = anyio.Event()
+        self._build_host()
+        if self.device_kv is not None:
+            from kvtier.tiers.copy_engine import make_copy_engine
+
+            self.copy_engine = make_copy_engine(
+                self.device_kv, self.geometry, self.blocks_per_chunk, self.host.buffer, tp_rank=self.tp_rank
+            )
+            self.copy_engine.set_wakeup(self._wake)
+            await tg.start(self.copy_engine.run)
+        self._build_tiers()
+        for tier in self.tiers:
+            tier.set_wakeup(self._wake)
+            await tg.start(tier.run)
+        self.manager = TieringManager(self.host, self.tiers)
+        if events is not None:
+            from kvtier.events import EventTranslator, publisher_from_config
+
+            self.publisher = publisher_from_config(events)
+            self.translator = EventTranslator(
+                self.config.self_describing_kv_events, int_hashes=self.publisher.int_hashes
+            )
+            await tg.start(self.publisher.run)
+        self._setup_metrics(metrics)
+        tg.start_soon(self._drive)
+
+    def _setup_metrics(self, metrics: Mapping[str, Any] | None) -> None:
+        from kvtier.metrics import EngineMetrics, serve_metrics
+
+        self.metrics = EngineMetrics()
+        self.metrics.add_host(self.host)
+        for tier in self.tiers:
+            self.metrics.add_tier(tier)
+        self.metrics.add_manager(self.manager)
+        self.metrics.add_copies(self._copy_counters)
+        if self.publisher is not None:
+            self.metrics.add_publisher(self.publisher)
+        if metrics is not None:
+            unknown = set(metrics) - {"host", "port"}
+            if unknown:
+                raise ConfigError(f"metrics.{sorted(unknown)[0]}: unknown key; allowed: host, port")
+            port = metrics.get("port", 9464)
+            if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+                raise ConfigError(f"metrics.port: {port!r} is invalid; expected an int in [0, 65535]")
+            self._metrics_server = serve_metrics(
+                self.metrics.registry, host=str(metrics.get("host", "127.0.0.1")), port=port
+            )
+
+    # ------------------------------------------------------------------ progress
+    def _wake(self) -> None:
+        """Called by components (on the loop thread) when a result or verdict is available."""
+        tick = self._tick
+        if tick is not None:
+            # Swap before setting: whoever waits from now on waits for the *next* wake-up.
+            self._tick = anyio.Event()
+            tick.set()
+
+    async def _wait_progress(self, deadline: float) -> bool:
+        """Wait for the next wake-up; ``False`` if ``deadline`` (anyio clock) passed first."""
+        tick = self._tick
+        assert tick is not None
+        with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
+            await tick.wait()
+            return True
+        return False
+
+    async def _drive(self) -> None:
+        """Background task: turn wake-ups into manager polls and copy completions."""
+        while True:
+            tick = self._tick
+            assert tick is not None
+            await tick.wait()
+            self._dispatch()
+
+    def _dispatch(self) -> None:
+        if self.copy_engine is not None:
+            for result in self.copy_engine.get_finished():
+                waiter = self._copy_waiters.pop(result.job_id, None)
+                if waiter is not None:
+                    waiter[1].append(result)
+                    waiter[0].set()
+        self.manager.poll()
+        self._publish_events()
+
+    def _publish_events(self) -> None:
+        events = self.manager.take_events()
+        if self.publisher is None or not events:
+            return
+        self.publisher.publish(self.translator.translate(events))
+
+    async def _copy(self, direction: str, slot_ids: list[int], block_ids: list[int]) -> CopyResult:
+        from kvtier.tiers.copy_engine import CopyJob
+
+        if self.copy_engine is None:
+            raise RuntimeError("this engine was opened without device_kv; it cannot copy KV")
+        job_id = next(self._copy_ids)
+        done = anyio.Event()
+        box: list[CopyResult] = []
+        self._copy_waiters[job_id] = (done, box)
+        self.copy_engine.submit(CopyJob(job_id, direction, slot_ids, block_ids))
+        try:
+            while not done.is_set():
+                await self._wait_progress(anyio.current_time() + 1.0)
+                self._dispatch()
+        finally:
+            self._copy_waiters.pop(job_id, None)
+        result = box[0]
+        self._copy_counters.record(direction, result)
+        return result
+
+    # ------------------------------------------------------------------ keys
+    def chunk_keys(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Offload keys of the complete chunks of ``token_ids`` (prefix order)."""
+        hashes = self._hasher.hash_blocks(token_ids)
+        return chunk_keys(hashes, self.blocks_per_chunk)
+
+    def _context(self, kind: str, params: Mapping[str, Any] | None, keys: Sequence[bytes],
+                 first_chunk: int = 0) -> RequestContext:
+        ctx = RequestContext(f"{kind}-{next(self._req_ids)}", params)
+        for i, key in enumerate(keys):
+            ctx.set_offload_key_position(key, (first_chunk + i + 1) * self.chunk_tokens)
+        return ctx
+
+    def _check_blocks(self, block_ids: Sequence[int], needed: int) -> None:
+        if len(block_ids) < needed:
+            raise ValueError(f"block_ids has {len(block_ids)} entries; {needed} device blocks are needed")
+
+    # ------------------------------------------------------------------ public API
+    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """Tokens of ``token_ids`` whose chunks some tier holds now. Non-blocking, no promotion.
+
+        A tier that does not know yet counts as a miss (its probe is started, so a later call
+        may answer more).
+        """
+        ctx = RequestContext(f"peek-{next(self._req_ids)}")
+        count = 0
+        for key in self.chunk_keys(token_ids):
+            if self.host.lookup(key) is not LookupResult.MISS:
+                count += 1
+                continue
+            if not any(t.lookup(key, ctx) is LookupResult.HIT for t in self.tiers):
+                break
+            count += 1
+        for tier in self.tiers:
+            tier.on_request_finished(ctx)
+        return count * self.chunk_tokens
+
+    async def load(self, token_ids: Sequence[int], block_ids: Sequence[int],
+                   params: Mapping[str, Any] | None = None, *, num_computed_tokens: int = 0) -> int:
+        """Copy the cached prefix of ``token_ids`` into device blocks; return the new tokens placed.
+
+        Chunks are looked up from chunk ``num_computed_tokens // chunk_tokens`` on (the caller
+        already has the tokens before it on the device). ``block_ids[i]`` is the device block of
+        token block ``i`` (absolute index). Promotions from secondary tiers are awaited; a chunk
+        whose promotion fails or does not finish within ``wait_timeout_s`` ends the prefix (the
+        caller recomputes from there). Only whole chunks are loaded.
+        """
+        return (await self.load_with_sources(token_ids, block_ids, params,
+                                             num_computed_tokens=num_computed_tokens)).tokens
+
+    async def load_with_sources(self, token_ids: Sequence[int], block_ids: Sequence[int],
+                                params: Mapping[str, Any] | None = None, *,
+                                num_computed_tokens: int = 0) -> LoadOutcome:
+        """Like :meth:`load`, also reporting how many tokens came from each tier label."""
+        keys = self.chunk_keys(token_ids)
+        first = max(0, num_computed_tokens) // self.chunk_tokens
+        ctx = self._context("load", params, keys[first:], first)
+        limit = ctx.params.max_load_tokens
+        candidates = keys[first:]
+        if limit is not None:
+            candidates = candidates[: limit // self.chunk_tokens]
+        try:
+            hit_keys = await self._resolve_prefix(candidates, ctx)
+            if not hit_keys:
+                return LoadOutcome(0, {})
+            self._check_blocks(block_ids, (first + len(hit_keys)) * self.blocks_per_chunk)
+            slot_ids = self.manager.prepare_load(hit_keys, ctx)
+            try:
+                start = first * self.blocks_per_chunk
+                end = (first + len(hit_keys)) * self.blocks_per_chunk
+                result = await self._copy("to_device", slot_ids, list(block_ids[start:end]))
+            finally:
+                self.manager.complete_load(hit_keys, ctx)
+            if not result.success:
+                logger.error("host→device copy failed: %s", result.error)
+                return LoadOutcome(0, {})
+            self.manager.touch(hit_keys, ctx)
+            by_tier: dict[str, int] = {}
+            for key in hit_keys:
+                label = self.manager.get_load_source(key, ctx)
+                by_tier[label] = by_tier.get(label, 0) + self.chunk_tokens
+            return LoadOutcome(len(hit_keys) * self.chunk_tokens, by_tier)
+        finally:
+            self.manager.on_request_finished(ctx)
+            self._publish_events()
+
+    async def _resolve_prefix(self, keys: Sequence[bytes], ctx: RequestContext) -> list[bytes]:
+        """Longest prefix of ``keys`` that is ``HIT`` in host memory, awaiting promotions/probes."""
+        deadline = anyio.current_time() + self.wait_timeout_s
+        while True:
+            prefix = 0
+            waiting = False
+            for key in keys:
+                verdict = self.manager.lookup(key, ctx)
+                if verdict is LookupResult.HIT:
+                    if not waiting:
+                        prefix += 1
+                elif verdict is LookupResult.MISS:
+                    break
+                else:  # HIT_PENDING or RETRY: keep scanning so later probes start now
+                    waiting = True
+            if not waiting:
+                return list(keys[:prefix])
+            self.manager.on_schedule_end()
+            if not await self._wait_progress(deadline):
+                # Give up on what is still pending; a later request will find it.
+                self.manager.on_schedule_end()
+                return list(keys[:prefix])
+            self._dispatch()
+
+    async def store(self, token_ids: Sequence[int], block_ids: Sequence[int],
+                    params: Mapping[str, Any] | None = None, *,
+                    num_prompt_tokens: int | None = None) -> int:
+        """Offload the complete chunks of ``token_ids`` held in device ``block_ids``.
+
+        Returns the number of tokens newly copied to host memory, once the device blocks may be
+        reused; the cascade to secondary tiers continues in the background. Chunks already
+        held are not copied again. Honours ``max_offload_tokens`` and, when
+        ``offload_prompt_only`` is set and ``num_prompt_tokens`` is given, stops at the prompt.
+        If no host slot can be freed within ``wait_timeout_s`` nothing is offloaded (0).
+        """
+        keys = self.chunk_keys(token_ids)
+        ctx = self._context("store", params, keys)
+        limit = len(token_ids)
+        cap = ctx.params.max_offload_tokens
+        if cap is not None:
+            limit = min(limit, cap)
+        if self.config.offload_prompt_only and num_prompt_tokens is not None:
+            limit = min(limit, num_prompt_tokens)
+        keys = keys[: limit // self.chunk_tokens]
+        try:
+            if not keys:
+                return 0
+            self._check_blocks(block_ids, len(keys) * self.blocks_per_chunk)
+            deadline = anyio.current_time() + self.wait_timeout_s
+            while (out := self.manager.prepare_store(keys, ctx)) is None:
+                if not await self._wait_progress(deadline):
+                    logger.warning("no host slot became free within %.1fs; %d chunks not offloaded",
+                                   self.wait_timeout_s, len(keys))
+                    return 0
+                self._dispatch()
+            if not out.keys_to_store:
+                return 0
+            index = {key: i for i, key in enumerate(keys)}
+            device_blocks: list[int] = []
+            for key in out.keys_to_store:
+                i = index[key]
+                device_blocks.extend(block_ids[i * self.blocks_per_chunk : (i + 1) * self.blocks_per_chunk])
+            success = False
+            try:
+                result = await self._copy("to_host", list(out.slot_ids), device_blocks)
+                success = result.success
+                if not success:
+                    logger.error("device→host copy failed: %s", result.error)
+            finally:
+                self.manager.complete_store(out.keys_to_store, ctx, success)
+            return len(out.keys_to_store) * self.chunk_tokens if success else 0
+        finally:
+            self.manager.on_request_finished(ctx)
+            self._publish_events()
+
+    async def reset_cache(self) -> None:
+        """Drop every chunk from host memory (secondary tiers keep theirs), safely.
+
+        Waits until no tier job is in flight, then resets; promotions resume at once since no
+        device copy can still target a freed slot (copies are awaited by the calls that issue them).
+        """
+        deadline = anyio.current_time() + self.wait_timeout_s
+        self.manager.on_schedule_end()
+        while self.manager.jobs_in_flight:
+            await self._wait_progress(deadline)
+            self._dispatch()
+            if anyio.current_time() > deadline:
+                raise TimeoutError("tier jobs did not finish in time for reset_cache")
+        self.manager.reset_cache()
+        self.manager.on_reset_flushed()
+        if self.publisher is not None:
+            self.publisher.publish(self.translator.cleared())
+
+    async def drain(self) -> None:
+        """Wait until every job in flight (cascades included) has been reported."""
+        self.manager.on_schedule_end()
+        while self.manager.jobs_in_flight:
+            await self._wait_progress(anyio.current_time() + 1.0)
+            self._dispatch()
+
+    def statistics(self) -> dict[str, Any]:
+        """Snapshots of every component, keyed by tier label."""
+        stats: dict[str, Any] = {PRIMARY_LABEL: self.host.statistics(), "manager": self.manager.statistics(),
+                                 "copies": self._copy_counters.statistics()}
+        for tier in self.tiers:
+            stats[tier.context.label] = tier.statistics()
+        return stats
+
+    # ------------------------------------------------------------------ shutdown
+    async def _aclose(self) -> None:
+        """Close every component; all are attempted, the first error is re-raised."""
+        if self._closed:
+            return
+        self._closed = True
+        errors: list[BaseException] = []
+        with anyio.CancelScope(shield=True):
+            for tier in self.tiers:
+                try:
+                    await tier.aclose()
+                except Exception as exc:  # noqa: BLE001 - every tier must be attempted
+                    logger.exception("closing tier %s failed", tier.context.label)
+                    errors.append(exc)
+            if self.copy_engine is not None:
+                try:
+                    await self.copy_engine.aclose()
+                except Exception as exc:  # noqa: BLE001
+                    errors.append(exc)
+            if self.publisher is not None:
+                try:
+                    await self.publisher.aclose()
+                except Exception as exc:  # noqa: BLE001
+                    errors.append(exc)
+            if self._metrics_server is not None:
+                self._metrics_server.close()
+        if not errors:
+            # Keep the host buffer alive if a tier failed to close: it may still touch it.
+            self.host.close()
+        else:
+            raise errors[0]
+
+
+@contextlib.asynccontextmanager
+async def open(  # noqa: A001 - the public name is kvtier.open
+    config: Mapping[str, Any] | EngineConfig,
+    geometry: KVGeometry,
+    device_kv: Sequence[torch.Tensor] | torch.Tensor | None = None,
+    *,
+    events: Mapping[str, Any] | None = None,
+    metrics: Mapping[str, Any] | None = None,
+    tp_rank: int = 0,
+    hash_algorithm: str = "sha256",
+    wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
+) -> AsyncIterator[Engine]:
+    """Run a kvtier engine inside the caller's structured concurrency.
+
+    ``config`` is the ``kv_connector_extra_config`` dictionary (or an ``EngineConfig``);
+    ``events`` enables KV events and configures the ZMQ publisher; ``metrics={"port": P,
+    "host": H}`` serves ``/metrics`` (the registry is ``engine.metrics.registry`` either way).
+    Raises :class:`kvtier.ConfigError` for a bad configuration or an unusable tier (before
+    yielding). On exit every component is closed and joined.
+    """
+    engine_config = EngineConfig.coerce(config)
+    if engine_config.secondary_tiers and not engine_config.is_tiering:
+        raise ConfigError(
+            f"secondary_tiers: {len(engine_config.secondary_tiers)} tiers given but spec_name is "
+            f"{engine_config.spec_name!r}; use 'TieringOffloadingSpec' to enable secondary tiers"
+        )
+    engine = Engine(engine_config, geometry, device_kv, tp_rank=tp_rank, hash_algorithm=hash_algorithm,
+                    wait_timeout_s=wait_timeout_s, kv_events_enabled=events is not None)
+    async with anyio.create_task_group() as tg:
+        try:
+            await engine._start(tg, events, metrics)
+            yield engine
+        finally:
+            try:
+                await engine._aclose()
+            finally:
+                tg.cancel_scope.cancel()
+
+
+class ThreadedEngine:
+    """Blocking, thread-safe facade over an :class:`Engine` running in a background thread."""
+
+    def __init__(self, portal_cm: Any, portal: Any, engine_cm: Any, engine: Engine) -> None:
+        self._portal_cm = portal_cm
+        self._portal = portal
+        self._engine_cm = engine_cm
+        self.engine = engine
+        self.manager = engine.manager
+        self.chunk_tokens = engine.chunk_tokens
+        self._closed = False
+
+    def load(self, token_ids: Sequence[int], block_ids: Sequence[int],
+             params: Mapping[str, Any] | None = None, *, num_computed_tokens: int = 0) -> int:
+        return self._portal.call(
+            lambda: self.engine.load(token_ids, block_ids, params, num_computed_tokens=num_computed_tokens)
+        )
+
+    def load_with_sources(self, token_ids: Sequence[int], block_ids: Sequence[int],
+                          params: Mapping[str, Any] | None = None, *,
+                          num_computed_tokens: int = 0) -> LoadOutcome:
+        return self._portal.call(
+            lambda: self.engine.load_with_sources(token_ids, block_ids, params,
+                                                  num_computed_tokens=num_computed_tokens)
+        )
+
+    def store(self, token_ids: Sequence[int], block_ids: Sequence[int],
+              params: Mapping[str, Any] | None = None, *, num_prompt_tokens: int | None = None) -> int:
+        return self._portal.call(
+            lambda: self.engine.store(token_ids, block_ids, params, num_prompt_tokens=num_prompt_tokens)
+        )
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        return self._portal.call(self.engine.cached_prefix_tokens, token_ids)
+
+    def drain(self) -> None:
+        self._portal.call(self.engine.drain)
+
+    def statistics(self) -> dict[str, Any]:
+        return self._portal.call(self.engine.statistics)
+
+    def close(self) -> None:
+        """Close the engine and stop its thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._engine_cm.__exit__(None, None, None)
+        finally:
+            self._portal_cm.__exit__(None, None, None)
+
+    def __enter__(self) -> ThreadedEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def start_in_thread(
+    config: Mapping[str, Any] | EngineConfig,
+    geometry: KVGeometry,
+    device_kv: Sequence[torch.Tensor] | torch.Tensor | None = None,
+    **kwargs: Any,
+) -> ThreadedEngine:
+    """Start an engine on an asyncio loop in a background thread; return its blocking facade."""
+    portal_cm = anyio.from_thread.start_blocking_portal(backend="asyncio")
+    portal = portal_cm.__enter__()
+    try:
+        engine_cm = portal.wrap_async_context_manager(open(config, geometry, device_kv, **kwargs))
+        engine = engine_cm.__enter__()
+    except BaseException:
+        portal_cm.__exit__(None, None, None)
+        raise
+    return ThreadedEngine(portal_cm, portal, engine_cm, engine)

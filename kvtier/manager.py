@@ -1,0 +1,390 @@
+"""The tiering manager: the scheduler-facing orchestration of the host tier and secondary tiers.
+
+``TieringManager`` is SYNCHRONOUS and NEVER BLOCKS. It is called from the engine's event-loop
+thread only (the engine owns it; no lock is needed), and it only ever *submits* work to tiers and
+*drains* their finished results.
+
+Store: ``prepare_store`` allocates host slots (evicting by policy) → the caller copies device
+blocks into the slots → ``complete_store`` makes the chunks visible and cascades them to every
+secondary tier concurrently (each cascade pins the host slots with a read reference until the
+tier reports).
+
+Load: ``lookup`` walks the host tier, then the secondary tiers in configured order (honouring
+the request's ``kv_load_tiers``). A secondary hit allocates a host slot at once and answers
+``HIT_PENDING`` (so no other lookup of the same key starts a second promotion); the promotions
+of one (tier, request) are submitted as one job at ``on_schedule_end``. A failed promotion frees
+its slots and the key becomes a miss: the request recomputes, it never sees garbage.
+
+Invariants (property-tested): every job submitted to a tier is accounted exactly once; a slot
+pinned for a job is unpinned exactly once when its result is processed; promotions are never
+duplicated; a key whose load failed is not re-promoted from a stale verdict (the tier base
+invalidates it); after ``reset_cache`` no promotion starts until ``on_reset_flushed``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvtier.context import RequestContext
+from kvtier.stats import LATENCY_BUCKETS, Histogram, HistogramSnapshot
+from kvtier.types import CacheHitSource, LookupResult, OffloadingEvent
+
+if TYPE_CHECKING:
+    from kvtier.tiers.base import JobResult, SecondaryTier
+    from kvtier.tiers.cpu import HostTier, PrepareStoreOutput
+
+__all__ = ["TieringManager", "ManagerStatistics", "PRIMARY_LABEL"]
+
+logger = logging.getLogger("kvtier.manager")
+
+PRIMARY_LABEL = "0:primary"
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerStatistics:
+    """A snapshot of the manager's counters (read by ``kvtier.metrics``)."""
+
+    primary_lookups: int
+    primary_hits: int
+    promotion_allocation_failures: int
+    store_allocation_failures: int
+    active_promotion_jobs: dict[str, int]
+    active_cascade_jobs: dict[str, int]
+    promotion_job_failures: dict[str, int]
+    cascade_job_failures: dict[str, int]
+    promotion_latency: dict[str, dict[str, HistogramSnapshot]]
+    cascade_latency: dict[str, dict[str, HistogramSnapshot]]
+    jobs_in_flight: int
+    promotions_held: bool
+
+
+@dataclass(slots=True)
+class _JobRecord:
+    tier_idx: int
+    keys: list[bytes]
+    is_promotion: bool
+    created: float
+
+
+@dataclass(slots=True)
+class _PendingPromotion:
+    ctx: RequestContext
+    keys: list[bytes] = field(default_factory=list)
+    slot_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _RequestState:
+    ctx: RequestContext
+    pending_primary_stores: int = 0
+    is_finished: bool = False
+    load_sources: dict[bytes, int] = field(default_factory=dict)
+
+
+class TieringManager:
+    """Host tier + ordered secondary tiers behind vLLM's ``OffloadingManager`` semantics.
+
+    ``tiers[i]`` is secondary tier ``i`` (metric label ``f"{i+1}:{type}"``); it is asked before
+    tier ``i+1``. With no secondary tiers the manager is a thin layer over the host tier
+    (``CPUOffloadingSpec``).
+    """
+
+    def __init__(self, host: HostTier, tiers: Sequence[SecondaryTier] = ()) -> None:
+        self.host = host
+        self.tiers: list[SecondaryTier] = list(tiers)
+        self._job_ids = itertools.count()
+        self._jobs: dict[tuple[int, int], _JobRecord] = {}
+        self._pending: dict[tuple[int, str], _PendingPromotion] = {}
+        self._requests: dict[str, _RequestState] = {}
+        self._polled_this_step = False
+        self._promotions_held = False
+        # statistics
+        self._primary_lookups = 0
+        self._primary_hits = 0
+        self._promotion_alloc_failures = 0
+        self._store_alloc_failures = 0
+        labels = [tier.context.label for tier in self.tiers]
+        self._labels = labels
+        self._promotion_failures = dict.fromkeys(labels, 0)
+        self._cascade_failures = dict.fromkeys(labels, 0)
+        self._promotion_latency = {
+            label: {r: Histogram(LATENCY_BUCKETS) for r in ("success", "failure")} for label in labels
+        }
+        self._cascade_latency = {
+            label: {r: Histogram(LATENCY_BUCKETS) for r in ("success", "failure")} for label in labels
+        }
+
+    # ------------------------------------------------------------------ request bookkeeping
+    def _state(self, ctx: RequestContext) -> _RequestState:
+        state = self._requests.get(ctx.req_id)
+        if state is None:
+            state = self._requests[ctx.req_id] = _RequestState(ctx)
+        return state
+
+    # ------------------------------------------------------------------ load path
+    def lookup(self, key: bytes, ctx: RequestContext) -> LookupResult:
+        """Where ``key`` can be loaded from now. Never blocks.
+
+        ``HIT``: in host memory, ready. ``HIT_PENDING``: will be in host memory (a store or a
+        promotion is in flight) — ask again after progress. ``RETRY``: some tier is still
+        probing. ``MISS``: nowhere (or promotions are held after a reset).
+        """
+        if not self._polled_this_step:
+            self.poll()
+        self._primary_lookups += 1
+        result = self.host.lookup(key)
+        if result is LookupResult.HIT or result is LookupResult.HIT_PENDING:
+            self._primary_hits += 1
+            return result
+        if self._promotions_held or not self.tiers:
+            return LookupResult.MISS
+        tier_filter = ctx.params.load_tier_filter
+        any_retry = False
+        for idx, tier in enumerate(self.tiers):
+            cfg = tier.config
+            if not tier_filter.allows(idx, cfg.type, tier.medium, cfg.locality):
+                continue
+            verdict = tier.lookup(key, ctx)
+            if verdict is LookupResult.HIT:
+                if self._initiate_promotion(idx, key, ctx):
+                    return LookupResult.HIT_PENDING
+                return LookupResult.MISS
+            if verdict is LookupResult.RETRY:
+                any_retry = True
+        return LookupResult.RETRY if any_retry else LookupResult.MISS
+
+    def _initiate_promotion(self, tier_idx: int, key: bytes, ctx: RequestContext) -> bool:
+        out = self.host.prepare_write([key], ctx)
+        if out is None or not out.keys_to_store:
+            self._promotion_alloc_failures += 1
+            return False
+        pending = self._pending.get((tier_idx, ctx.req_id))
+        if pending is None:
+            pending = self._pending[(tier_idx, ctx.req_id)] = _PendingPromotion(ctx)
+        pending.keys.append(key)
+        pending.slot_ids.append(out.slot_ids[0])
+        self._state(ctx).load_sources[key] = tier_idx
+        return True
+
+    def get_load_source(self, key: bytes, ctx: RequestContext) -> str:
+        """Label of the tier that supplied ``key`` to this request (``"0:primary"`` for host hits)."""
+        state = self._requests.get(ctx.req_id)
+        if state is not None and key in state.load_sources:
+            return self._labels[state.load_sources[key]]
+        return PRIMARY_LABEL
+
+    def get_cache_hit_source(self, key: bytes, ctx: RequestContext) -> CacheHitSource:
+        state = self._requests.get(ctx.req_id)
+        if state is not None and key in state.load_sources:
+            return self.tiers[state.load_sources[key]].cache_hit_source
+        return CacheHitSource.HOST
+
+    def prepare_load(self, keys: Sequence[bytes], ctx: RequestContext) -> list[int]:
+        """Pin ``keys`` (all must be ``HIT``) and return their host slots, co-indexed with ``keys``."""
+        return self.host.prepare_load(keys, ctx)
+
+    def complete_load(self, keys: Sequence[bytes], ctx: RequestContext) -> None:
+        """Unpin keys pinned by :meth:`prepare_load` once their bytes reached the device."""
+        self.host.complete_load(keys)
+
+    def touch(self, keys: Sequence[bytes], ctx: RequestContext) -> None:
+        self.host.touch(keys, ctx)
+        for tier in self.tiers:
+            tier.touch(keys, ctx)
+
+    # ------------------------------------------------------------------ store path
+    def prepare_store(self, keys: Sequence[bytes], ctx: RequestContext) -> PrepareStoreOutput | None:
+        """Allocate host slots for the keys not yet held. ``None``: no room now; retry later."""
+        self.poll()
+        out = self.host.prepare_store(keys, ctx)
+        if out is None:
+            self._store_alloc_failures += 1
+            return None
+        if out.keys_to_store:
+            self._state(ctx).pending_primary_stores += 1
+        return out
+
+    def complete_store(self, keys: Sequence[bytes], ctx: RequestContext, success: bool = True) -> None:
+        """Publish stored keys (or release them on failure) and cascade them to every tier."""
+        self.host.complete_store(keys, success)
+        if success and keys:
+            for idx in range(len(self.tiers)):
+                self._submit_cascade(idx, list(keys), ctx)
+        state = self._requests.get(ctx.req_id)
+        if state is not None and state.pending_primary_stores > 0:
+            state.pending_primary_stores -= 1
+            self._maybe_finalize(state)
+
+    def _submit_cascade(self, tier_idx: int, keys: list[bytes], ctx: RequestContext | None) -> None:
+        from kvtier.tiers.base import TransferJob
+
+        ready = [k for k in keys if self.host.lookup(k) is LookupResult.HIT]
+        if not ready:
+            return
+        slot_ids = self.host.prepare_read(ready)
+        job = TransferJob(next(self._job_ids), ready, slot_ids, is_promotion=False, ctx=ctx)
+        self._jobs[(tier_idx, job.job_id)] = _JobRecord(tier_idx, ready, False, job.submit_time)
+        self.tiers[tier_idx].submit_store(job)
+
+    # ------------------------------------------------------------------ step hooks
+    def on_request_finished(self, ctx: RequestContext) -> None:
+        """No more submit-side calls come for ``ctx``; completions may still arrive."""
+        self.host.on_request_finished(ctx)
+        state = self._requests.get(ctx.req_id)
+        if state is None:
+            for tier in self.tiers:
+                tier.on_request_finished(ctx)
+            return
+        state.is_finished = True
+        self._maybe_finalize(state)
+
+    def _maybe_finalize(self, state: _RequestState) -> None:
+        if not state.is_finished or state.pending_primary_stores > 0:
+            return
+        if any(p.ctx is state.ctx for p in self._pending.values()):
+            return  # promotions still to submit: finalize after they are flushed
+        for tier in self.tiers:
+            tier.on_request_finished(state.ctx)
+        self._requests.pop(state.ctx.req_id, None)
+
+    def on_schedule_end(self) -> None:
+        """End of a step: flush pending promotions as one job per (tier, request), then tier hooks."""
+        from kvtier.tiers.base import TransferJob
+
+        if not self._polled_this_step:
+            self.poll()
+        self._polled_this_step = False
+        pending, self._pending = self._pending, {}
+        for (tier_idx, _req_id), promo in pending.items():
+            job = TransferJob(
+                next(self._job_ids), promo.keys, promo.slot_ids, is_promotion=True, ctx=promo.ctx
+            )
+            self._jobs[(tier_idx, job.job_id)] = _JobRecord(tier_idx, promo.keys, True, job.submit_time)
+            self.tiers[tier_idx].submit_load(job)
+        for tier in self.tiers:
+            tier.on_schedule_end()
+        for promo in pending.values():
+            state = self._requests.get(promo.ctx.req_id)
+            if state is not None:
+                self._maybe_finalize(state)
+
+    def poll(self) -> None:
+        """Process every finished tier job: complete promotions, unpin cascades. Never blocks."""
+        self._polled_this_step = True
+        for idx, tier in enumerate(self.tiers):
+            for result in tier.get_finished_jobs():
+                self._process_result(idx, result)
+        if self._promotions_held and not self._jobs and not self._pending:
+            self._promotions_held = False
+
+    def _process_result(self, tier_idx: int, result: JobResult) -> None:
+        record = self._jobs.pop((tier_idx, result.job_id), None)
+        if record is None:
+            logger.error("tier %s reported unknown job %s; ignored", self._labels[tier_idx], result.job_id)
+            return
+        label = self._labels[tier_idx]
+        outcome = "success" if result.success else "failure"
+        latency = time.monotonic() - record.created
+        if record.is_promotion:
+            self._promotion_latency[label][outcome].observe(latency)
+            if result.success:
+                self.host.complete_write(record.keys, True)
+                return
+            self._promotion_failures[label] += 1
+            loaded = set(result.successful_keys or ())
+            ok = [k for k in record.keys if k in loaded]
+            failed = [k for k in record.keys if k not in loaded]
+            if ok:
+                self.host.complete_write(ok, True)
+            self.host.complete_write(failed, False)
+            for state in self._requests.values():
+                for key in failed:
+                    state.load_sources.pop(key, None)
+        else:
+            self._cascade_latency[label][outcome].observe(latency)
+            self.host.complete_read(record.keys)
+            if not result.success:
+                self._cascade_failures[label] += 1
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs or self._pending) or any(t.has_pending_work() for t in self.tiers)
+
+    @property
+    def jobs_in_flight(self) -> int:
+        return len(self._jobs)
+
+    # ------------------------------------------------------------------ events, stats, reset
+    def take_events(self) -> list[OffloadingEvent]:
+        """Host events first, then each tier's, in tier order."""
+        events = list(self.host.take_events())
+        for tier in self.tiers:
+            events.extend(tier.take_events())
+        return events
+
+    def reset_cache(self) -> None:
+        """Evict everything from the host tier (secondary tiers keep their persistent data).
+
+        Precondition: no tier job is in flight (the engine drains them first, see
+        ``Engine.reset_cache``) — a late promotion could otherwise write a freed slot. Pending,
+        unsubmitted promotions are dropped. With secondary tiers, promotions stay held (host
+        misses answer ``MISS``) until :meth:`on_reset_flushed`.
+        """
+        self.poll()
+        if self._jobs:
+            raise RuntimeError(f"reset_cache with {len(self._jobs)} tier jobs in flight; drain first")
+        self._pending.clear()
+        for state in self._requests.values():
+            state.load_sources.clear()
+            state.pending_primary_stores = 0
+        self._requests = {rid: s for rid, s in self._requests.items() if not s.is_finished}
+        self.host.reset_cache()
+        self._promotions_held = bool(self.tiers)
+
+    def on_reset_flushed(self) -> None:
+        """Every device copy in flight at the reset has been reported: promotions may resume."""
+        self._promotions_held = False
+
+    def get_stats(self) -> dict[str, object]:
+        stats: dict[str, object] = dict(self.host.get_stats())
+        stats["promotion_allocation_failures"] = self._promotion_alloc_failures
+        stats["jobs_in_flight"] = len(self._jobs)
+        return stats
+
+    def statistics(self) -> ManagerStatistics:
+        active_promotions = dict.fromkeys(self._labels, 0)
+        active_cascades = dict.fromkeys(self._labels, 0)
+        for record in self._jobs.values():
+            target = active_promotions if record.is_promotion else active_cascades
+            target[self._labels[record.tier_idx]] += 1
+        return ManagerStatistics(
+            primary_lookups=self._primary_lookups,
+            primary_hits=self._primary_hits,
+            promotion_allocation_failures=self._promotion_alloc_failures,
+            store_allocation_failures=self._store_alloc_failures,
+            active_promotion_jobs=active_promotions,
+            active_cascade_jobs=active_cascades,
+            promotion_job_failures=dict(self._promotion_failures),
+            cascade_job_failures=dict(self._cascade_failures),
+            promotion_latency={
+                label: {r: h.snapshot() for r, h in hists.items()}
+                for label, hists in self._promotion_latency.items()
+            },
+            cascade_latency={
+                label: {r: h.snapshot() for r, h in hists.items()}
+                for label, hists in self._cascade_latency.items()
+            },
+            jobs_in_flight=len(self._jobs),
+            promotions_held=self._promotions_held,
+        )
+
+    def tier_labels(self) -> list[str]:
+        return [PRIMARY_LABEL, *self._labels]
+
+
+def iter_labels(tiers: Iterable[SecondaryTier]) -> list[str]:
+    return [PRIMARY_LABEL, *(t.context.label for t in tiers)]
