@@ -1,0 +1,392 @@
+"""KV byte geometry, the run digest and the chunk namespace.
+
+**Canonical host layout.** A *page* is one block of one layer: ``page_shape = (2, block_size,
+num_kv_heads, head_dim)`` (K/V, token, head, dim), exactly a per-layer device block at TP 1, so a
+TP-1 copy is a plain memcpy. A chunk (one host slot) is block-major, then layer: page ``(b, l)``
+sits at ``(b * num_layers + l) * page_bytes``; the slot is padded with zeros up to
+``slot_bytes`` (a multiple of 4096). All KV heads of all TP ranks are contiguous inside a page,
+so the host layout does not depend on the parallel configuration; :meth:`KVGeometry.shard` says
+where one rank's heads sit.
+
+**Namespace** (reference §3.2). ``run_fields`` lists what makes persisted bytes compatible
+(model, hash granularity, chunk size, parallelism, dtype, layers); ``run_digest`` names them in
+12 hex chars; ``namespace`` turns that into directory names and chunk paths::
+
+    <root>/<model>_<digest>/config.json
+    <root>/<model>_<digest>_r<rank>/<h[0:3]>/<h[3:5]>_g<group>/<h>.bin
+
+Paths are built with plain ``"/"`` string joins, never from the OS: the same strings serve as
+object-store keys. With ``root == ""`` they are relative (``<model>_<digest>/...``); the obj tier
+decides its own prefixing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvtier.errors import ConfigError
+from kvtier.keys import make_offload_key, split_offload_key
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = [
+    "SLOT_ALIGNMENT",
+    "DTYPE_ITEMSIZE",
+    "KVGeometry",
+    "ShardLayout",
+    "Namespace",
+    "normalize_dtype",
+    "run_digest",
+    "namespace",
+]
+
+#: Host slots are rounded up to this many bytes (page-aligned for O_DIRECT and pinned copies).
+SLOT_ALIGNMENT = 4096
+
+#: Canonical dtype name → bytes per element.
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float16": 2,
+    "bfloat16": 2,
+    "float32": 4,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+}
+_DTYPE_ALIASES: dict[str, str] = {
+    "half": "float16",
+    "float": "float32",
+    "float8_e4m3fn": "fp8_e4m3",
+    "float8_e5m2": "fp8_e5m2",
+}
+_TORCH_DTYPE_NAMES: dict[str, str] = {
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float32": "float32",
+    # fp8 pages are moved as raw bytes; uint8 storage keeps that independent of torch's fp8 support.
+    "fp8": "uint8",
+    "fp8_e4m3": "uint8",
+    "fp8_e5m2": "uint8",
+}
+# A file-name segment is at most 255 bytes on common filesystems; leave room for "_<digest>_r<rank>".
+_MAX_MODEL_NAME_BYTES = 200
+_DIGEST_CHARS = 12
+
+
+def normalize_dtype(dtype: object) -> str:
+    """Canonical dtype name (``"torch."`` prefix removed, aliases resolved); ConfigError if unknown.
+
+    Accepts strings such as ``"half"``, ``"torch.bfloat16"``, ``"fp8_e4m3"`` and torch dtypes.
+    """
+    name = str(dtype).strip().lower()
+    name = name.removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name, name)
+    if name not in DTYPE_ITEMSIZE:
+        raise ConfigError(
+            f"dtype {dtype!r} is not supported; allowed: {', '.join(DTYPE_ITEMSIZE)} "
+            f"(aliases: {', '.join(_DTYPE_ALIASES)})"
+        )
+    return name
+
+
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ShardLayout:
+    """Where one TP rank's KV heads sit inside a canonical page.
+
+    A page is ``rows = 2 * block_size`` rows (K rows then V rows, one per token) of ``row_bytes``
+    (all heads × head_dim × itemsize). The rank's bytes in row ``r`` are
+    ``[r * row_bytes + shard_row_offset, ... + shard_row_bytes)``; its heads are
+    ``heads_start .. heads_start + heads_count - 1``.
+    """
+
+    heads_start: int
+    heads_count: int
+    row_bytes: int
+    shard_row_offset: int
+    shard_row_bytes: int
+    rows: int
+
+    def spans(self) -> list[tuple[int, int]]:
+        """``(offset, length)`` of each row's shard inside a page, in row order."""
+        return [
+            (row * self.row_bytes + self.shard_row_offset, self.shard_row_bytes)
+            for row in range(self.rows)
+        ]
+
+
+@dataclass(frozen=True, slots=True)
+class KVGeometry:
+    """The shape of one model's KV cache, and the byte layout kvtier derives from it.
+
+    Validated on construction (ConfigError): sizes positive, ``num_kv_heads`` divisible by
+    ``tp_size``, ``dtype`` known (stored normalized, e.g. ``"torch.half"`` → ``"float16"``),
+    ``layer_names`` (default ``model.layers.{i}.self_attn.attn``) one per layer.
+    """
+
+    model_name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+    tp_size: int = 1
+    pp_size: int = 1
+    pcp_size: int = 1
+    dcp_size: int = 1
+    layer_names: tuple[str, ...] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise ConfigError(f"model_name must be a non-empty string, got {self.model_name!r}")
+        for name in (
+            "num_layers", "num_kv_heads", "head_dim", "block_size",
+            "tp_size", "pp_size", "pcp_size", "dcp_size",
+        ):
+            _check_positive(name, getattr(self, name))
+        if self.num_kv_heads % self.tp_size:
+            raise ConfigError(
+                f"num_kv_heads ({self.num_kv_heads}) must be divisible by tp_size ({self.tp_size})"
+            )
+        object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
+        if self.layer_names is not None:
+            names = tuple(self.layer_names)
+            if len(names) != self.num_layers or not all(isinstance(n, str) and n for n in names):
+                raise ConfigError(
+                    f"layer_names must hold {self.num_layers} non-empty strings, got {len(names)}"
+                )
+            object.__setattr__(self, "layer_names", names)
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element of ``dtype``."""
+        return DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype host and device pages are viewed as (fp8 → ``torch.uint8`` storage)."""
+        import torch  # deferred: importing kvtier must not import torch
+
+        dtype: torch.dtype = getattr(torch, _TORCH_DTYPE_NAMES[self.dtype])
+        return dtype
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int]:
+        """``(2, block_size, num_kv_heads, head_dim)``: K/V, token, head, dim."""
+        return (2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page: one block of one layer, K and V, all heads."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V bytes of one token over all layers and heads."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def names_of_layers(self) -> tuple[str, ...]:
+        """``layer_names`` or the default ``model.layers.{i}.self_attn.attn`` names."""
+        if self.layer_names is not None:
+            return self.layer_names
+        return tuple(f"model.layers.{i}.self_attn.attn" for i in range(self.num_layers))
+
+    def chunk_bytes(self, blocks_per_chunk: int) -> int:
+        """Payload bytes of one chunk: ``blocks_per_chunk * num_layers * page_bytes``."""
+        _check_positive("blocks_per_chunk", blocks_per_chunk)
+        return blocks_per_chunk * self.num_layers * self.page_bytes
+
+    def slot_bytes(self, blocks_per_chunk: int) -> int:
+        """Bytes of one host slot: :meth:`chunk_bytes` rounded up to a multiple of 4096."""
+        size = self.chunk_bytes(blocks_per_chunk)
+        return -(-size // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+
+    def page_offset(self, block_in_chunk: int, layer: int) -> int:
+        """Byte offset of page ``(block_in_chunk, layer)`` inside a slot (block-major, then layer)."""
+        if block_in_chunk < 0:
+            raise ValueError(f"block_in_chunk must be >= 0, got {block_in_chunk}")
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
+        return (block_in_chunk * self.num_layers + layer) * self.page_bytes
+
+    def shard(self, tp_rank: int) -> ShardLayout:
+        """Where TP rank ``tp_rank``'s ``num_kv_heads / tp_size`` heads sit inside a page."""
+        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {tp_rank!r}")
+        heads = self.num_kv_heads // self.tp_size
+        head_bytes = self.head_dim * self.itemsize
+        return ShardLayout(
+            heads_start=tp_rank * heads,
+            heads_count=heads,
+            row_bytes=self.num_kv_heads * head_bytes,
+            shard_row_offset=tp_rank * heads * head_bytes,
+            shard_row_bytes=heads * head_bytes,
+            rows=2 * self.block_size,
+        )
+
+    def run_fields(
+        self,
+        blocks_per_chunk: int,
+        inference_engine: str = "kvtier",
+        parallel_agnostic: bool = True,
+    ) -> dict[str, Any]:
+        """The run-configuration fields of reference §3.2, input of :func:`run_digest`.
+
+        In parallelism-agnostic mode (the canonical host layout makes bytes topology-independent)
+        the parallel sizes are 1 and ``parallel_agnostic`` is absent; otherwise they are the real
+        sizes and ``parallel_agnostic`` is ``False``.
+        """
+        _check_positive("blocks_per_chunk", blocks_per_chunk)
+        fields: dict[str, Any] = {
+            "model_name": self.model_name,
+            "tokens_per_hash": self.block_size,
+            "blocks_per_file": blocks_per_chunk,
+            "tp_size": 1 if parallel_agnostic else self.tp_size,
+            "pp_size": 1 if parallel_agnostic else self.pp_size,
+            "pcp_size": 1 if parallel_agnostic else self.pcp_size,
+            "dcp_size": 1 if parallel_agnostic else self.dcp_size,
+            "dtype": self.dtype,
+            "kv_cache_groups": [
+                {"tokens_per_block": self.block_size, "layer_names": list(self.names_of_layers)}
+            ],
+            "inference_engine": inference_engine,
+        }
+        if not parallel_agnostic:
+            fields["parallel_agnostic"] = False
+        return fields
+
+
+def _canonical_json(fields: Mapping[str, Any]) -> str:
+    try:
+        return json.dumps(dict(fields), sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"run fields must be JSON-serializable: {exc}") from None
+
+
+def run_digest(fields: Mapping[str, Any]) -> str:
+    """First 12 lowercase hex chars of SHA-256 over the UTF-8 of the sorted, compact JSON of ``fields``."""
+    return hashlib.sha256(_canonical_json(fields).encode("utf-8")).hexdigest()[:_DIGEST_CHARS]
+
+
+def _check_path_text(what: str, text: str) -> None:
+    if "\x00" in text or "\\" in text:
+        raise ConfigError(f"{what} must not contain NUL bytes or backslashes: {text!r}")
+    if ".." in text.split("/"):
+        raise ConfigError(f"{what} must not contain '..' path segments: {text!r}")
+
+
+def _model_segment(model_name: object) -> str:
+    if not isinstance(model_name, str) or not model_name:
+        raise ConfigError(f"run fields need a non-empty string model_name, got {model_name!r}")
+    if model_name.startswith("/"):
+        raise ConfigError(f"model_name must not be an absolute path: {model_name!r}")
+    _check_path_text("model_name", model_name)
+    if len(model_name.encode("utf-8")) > _MAX_MODEL_NAME_BYTES:
+        raise ConfigError(f"model_name is longer than {_MAX_MODEL_NAME_BYTES} bytes")
+    # One path segment, whatever the organisation/model nesting.
+    return model_name.replace("/", "_")
+
+
+_RELPATH = re.compile(r"([0-9a-f]{3})/([0-9a-f]{2})_g(0|[1-9][0-9]{0,9})/([0-9a-f]{6,})\.bin")
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Directory names and chunk paths of one run configuration (see the module docstring).
+
+    ``config_dir`` (= ``base_dir``) holds ``config.json``; chunk files live under the sibling
+    ``blocks_dir`` (``<base_dir>_r<rank>``). Build with :func:`namespace`.
+    """
+
+    root: str
+    digest: str
+    rank: int
+    base_dir: str
+    blocks_dir: str
+    fields: Mapping[str, Any] = field(compare=False, repr=False)
+
+    @property
+    def config_dir(self) -> str:
+        """Directory of ``config.json`` (the same as ``base_dir``)."""
+        return self.base_dir
+
+    @property
+    def config_path(self) -> str:
+        """``<config_dir>/config.json``."""
+        return f"{self.base_dir}/config.json"
+
+    def config_json(self) -> str:
+        """Contents of ``config.json``: the run fields, 2-space indent, sorted keys."""
+        return json.dumps(dict(self.fields), indent=2, sort_keys=True)
+
+    @staticmethod
+    def chunk_relpath(key: bytes) -> str:
+        """``<h[0:3]>/<h[3:5]>_g<group>/<h>.bin`` for offload key ``key`` (``h`` = hash hex)."""
+        block_hash, group = split_offload_key(key)
+        if len(block_hash) < 3:
+            raise ValueError("a chunk hash needs at least 3 bytes to be sharded into directories")
+        h = block_hash.hex()
+        return f"{h[0:3]}/{h[3:5]}_g{group}/{h}.bin"
+
+    def chunk_path(self, key: bytes) -> str:
+        """``<blocks_dir>/<chunk_relpath(key)>``."""
+        return f"{self.blocks_dir}/{self.chunk_relpath(key)}"
+
+    @staticmethod
+    def key_from_relpath(relpath: str) -> bytes | None:
+        """The offload key whose :meth:`chunk_relpath` is ``relpath``; ``None`` if malformed.
+
+        Strict: lowercase hex only, shard directories must match the hash, the group must be a
+        canonical decimal below 2**32, and nothing else (no ``./``, no extra segments) is allowed.
+        Used by scans, so anything not written by kvtier maps to ``None``.
+        """
+        match = _RELPATH.fullmatch(relpath)
+        if match is None:
+            return None
+        shard3, shard2, group_text, h = match.groups()
+        group = int(group_text)
+        if len(h) % 2 or h[0:3] != shard3 or h[3:5] != shard2 or group >= 2**32:
+            return None
+        return make_offload_key(bytes.fromhex(h), group)
+
+
+def namespace(root: str, fields: Mapping[str, Any], rank: int) -> Namespace:
+    """The :class:`Namespace` of run ``fields`` under ``root`` for worker ``rank``.
+
+    ``base_dir = <root>/<model with "/" → "_">_<digest>`` (or without ``<root>/`` when ``root``
+    is ``""``); ``blocks_dir = <base_dir>_r<rank>``, with the rank forced to 0 when the fields
+    are parallelism-agnostic (no ``parallel_agnostic`` key): all ranks then share one tree.
+    ConfigError when the model name or root could escape the root (``..`` segments, an
+    absolute model name, NUL bytes, backslashes) or the fields are not JSON-serializable.
+    """
+    if not isinstance(root, str):
+        raise ConfigError(f"root must be a string, got {type(root).__name__}")
+    if root:
+        _check_path_text("root", root)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ConfigError(f"rank must be a non-negative integer, got {rank!r}")
+    model = _model_segment(fields.get("model_name"))
+    digest = run_digest(fields)
+    if "parallel_agnostic" not in fields:
+        rank = 0
+    leaf = f"{model}_{digest}"
+    base_dir = f"{root}/{leaf}" if root else leaf
+    frozen_fields = json.loads(_canonical_json(fields))  # a private deep copy
+    return Namespace(
+        root=root,
+        digest=digest,
+        rank=rank,
+        base_dir=base_dir,
+        blocks_dir=f"{base_dir}_r{rank}",
+        fields=frozen_fields,
+    )

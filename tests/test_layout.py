@@ -1,0 +1,309 @@
+"""Specification of kvtier.layout: byte geometry, shard layouts, run digest and namespaces.
+
+Digests are recomputed here from the documented construction (SHA-256 of sorted compact JSON).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.errors import ConfigError
+from kvtier.keys import make_offload_key
+from kvtier.layout import KVGeometry, Namespace, namespace, run_digest
+
+MODEL = "meta-llama/Llama-3-8B"
+
+
+def geometry(**overrides: object) -> KVGeometry:
+    args: dict[str, object] = dict(
+        model_name=MODEL, num_layers=4, num_kv_heads=8, head_dim=64, dtype="bfloat16", block_size=16
+    )
+    args.update(overrides)
+    return KVGeometry(**args)  # type: ignore[arg-type]
+
+
+def expected_digest(fields: dict) -> str:
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:12]
+
+
+# --- geometry ---------------------------------------------------------------------------------
+
+
+def test_geometry_sizes() -> None:
+    g = geometry()
+    assert g.itemsize == 2
+    assert g.page_shape == (2, 16, 8, 64)
+    assert g.page_bytes == 2 * 16 * 8 * 64 * 2 == 32768
+    assert g.chunk_bytes(3) == 3 * 4 * 32768
+    assert g.slot_bytes(3) == g.chunk_bytes(3)  # already a multiple of 4096
+    assert g.kv_bytes_per_token == 2 * 4 * 8 * 64 * 2
+    assert g.kv_bytes_per_token * g.block_size * 3 == g.chunk_bytes(3)
+
+
+def test_slot_bytes_round_up_to_4096() -> None:
+    g = geometry(num_layers=3, num_kv_heads=1, head_dim=5, dtype="float32", block_size=7)
+    assert g.chunk_bytes(1) == 3 * 2 * 7 * 5 * 4 == 840
+    assert g.slot_bytes(1) == 4096
+    assert g.slot_bytes(5) == 8192  # 4200 bytes
+
+
+def test_page_offsets_are_block_major_then_layer() -> None:
+    g = geometry()
+    assert g.page_offset(0, 0) == 0
+    assert g.page_offset(0, 3) == 3 * g.page_bytes
+    assert g.page_offset(2, 1) == (2 * 4 + 1) * g.page_bytes
+    with pytest.raises(ValueError):
+        g.page_offset(0, 4)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "name", "itemsize", "torch_dtype"),
+    [
+        ("half", "float16", 2, torch.float16),
+        ("torch.float16", "float16", 2, torch.float16),
+        ("torch.bfloat16", "bfloat16", 2, torch.bfloat16),
+        ("float", "float32", 4, torch.float32),
+        ("fp8", "fp8", 1, torch.uint8),
+        ("fp8_e4m3", "fp8_e4m3", 1, torch.uint8),
+        ("fp8_e5m2", "fp8_e5m2", 1, torch.uint8),
+    ],
+)
+def test_dtype_names_are_normalized(dtype: str, name: str, itemsize: int, torch_dtype: torch.dtype) -> None:
+    g = geometry(dtype=dtype)
+    assert (g.dtype, g.itemsize, g.torch_dtype) == (name, itemsize, torch_dtype)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"num_layers": 0},
+        {"num_kv_heads": -1},
+        {"head_dim": 0},
+        {"block_size": 0},
+        {"tp_size": 0},
+        {"num_kv_heads": 6, "tp_size": 4},
+        {"dtype": "int4"},
+        {"dtype": "auto"},
+        {"model_name": ""},
+        {"layer_names": ["a", "b"]},
+        {"num_layers": True},
+    ],
+)
+def test_invalid_geometry_is_a_config_error(overrides: dict) -> None:
+    with pytest.raises(ConfigError):
+        geometry(**overrides)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2, 4])
+def test_shard_layout_places_rank_heads_inside_rows(tp_size: int) -> None:
+    g = geometry(tp_size=tp_size)
+    row_bytes = 8 * 64 * 2
+    for rank in range(tp_size):
+        s = g.shard(rank)
+        assert s.heads_count == 8 // tp_size
+        assert s.heads_start == rank * s.heads_count
+        assert s.row_bytes == row_bytes
+        assert s.shard_row_offset == s.heads_start * 64 * 2
+        assert s.shard_row_bytes == row_bytes // tp_size
+        assert s.rows == 32
+    with pytest.raises(ValueError):
+        g.shard(tp_size)
+
+
+def test_shard_spans_select_the_ranks_heads_of_a_page_tensor() -> None:
+    g = geometry(num_kv_heads=4, head_dim=2, block_size=2, dtype="float32", tp_size=2)
+    page = torch.arange(g.page_bytes // 4, dtype=torch.float32).reshape(g.page_shape)
+    raw = page.numpy().tobytes()
+    s = g.shard(1)
+    got = b"".join(raw[off : off + n] for off, n in s.spans())
+    assert got == page[:, :, 2:4, :].contiguous().numpy().tobytes()
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    tp_size=st.sampled_from([1, 2, 4]),
+    heads_per_rank=st.integers(1, 4),
+    head_dim=st.integers(1, 16),
+    block_size=st.integers(1, 8),
+    dtype=st.sampled_from(["float16", "float32", "fp8"]),
+)
+def test_shards_of_all_ranks_cover_the_page_exactly_once(
+    tp_size: int, heads_per_rank: int, head_dim: int, block_size: int, dtype: str
+) -> None:
+    g = geometry(
+        num_kv_heads=tp_size * heads_per_rank, head_dim=head_dim, block_size=block_size,
+        dtype=dtype, tp_size=tp_size,
+    )
+    covered = bytearray(g.page_bytes)
+    for rank in range(tp_size):
+        for offset, length in g.shard(rank).spans():
+            for i in range(offset, offset + length):
+                covered[i] += 1
+    assert covered == bytearray([1]) * g.page_bytes
+
+
+# --- run fields and digest --------------------------------------------------------------------
+
+
+def test_run_fields_of_a_parallel_agnostic_run() -> None:
+    g = geometry(tp_size=2, pp_size=2)
+    fields = g.run_fields(4)
+    assert fields == {
+        "model_name": MODEL,
+        "tokens_per_hash": 16,
+        "blocks_per_file": 4,
+        "tp_size": 1,
+        "pp_size": 1,
+        "pcp_size": 1,
+        "dcp_size": 1,
+        "dtype": "bfloat16",
+        "kv_cache_groups": [
+            {
+                "tokens_per_block": 16,
+                "layer_names": [f"model.layers.{i}.self_attn.attn" for i in range(4)],
+            }
+        ],
+        "inference_engine": "kvtier",
+    }
+
+
+def test_run_fields_of_a_topology_bound_run_carry_sizes_and_flag() -> None:
+    fields = geometry(tp_size=2, layer_names=("l0", "l1", "l2", "l3")).run_fields(
+        2, inference_engine="vllm", parallel_agnostic=False
+    )
+    assert fields["tp_size"] == 2 and fields["parallel_agnostic"] is False
+    assert fields["kv_cache_groups"][0]["layer_names"] == ["l0", "l1", "l2", "l3"]
+    assert fields["inference_engine"] == "vllm"
+
+
+def test_run_digest_is_sha256_of_sorted_compact_json() -> None:
+    fields = geometry().run_fields(1)
+    assert run_digest(fields) == expected_digest(fields)
+    assert len(run_digest(fields)) == 12
+    # Key order does not matter; every field does.
+    assert run_digest(dict(reversed(list(fields.items())))) == run_digest(fields)
+    assert run_digest(geometry().run_fields(2)) != run_digest(fields)
+
+
+def test_run_digest_rejects_unserializable_fields() -> None:
+    with pytest.raises(ConfigError):
+        run_digest({"model_name": "m", "x": object()})
+
+
+# --- namespace --------------------------------------------------------------------------------
+
+
+def test_namespace_of_tp1_run() -> None:
+    fields = geometry().run_fields(4)
+    ns = namespace("/data/kv", fields, rank=0)
+    digest = expected_digest(fields)
+    assert ns.digest == digest
+    assert ns.base_dir == ns.config_dir == f"/data/kv/meta-llama_Llama-3-8B_{digest}"
+    assert ns.blocks_dir == f"/data/kv/meta-llama_Llama-3-8B_{digest}_r0"
+    assert ns.config_path == f"{ns.config_dir}/config.json"
+
+
+def test_namespace_of_tp2_topology_bound_run_is_per_rank() -> None:
+    fields = geometry(tp_size=2).run_fields(4, parallel_agnostic=False)
+    digest = expected_digest(fields)
+    manual = dict(geometry().run_fields(4), tp_size=2, parallel_agnostic=False)
+    assert digest == expected_digest(manual)
+    ns1 = namespace("/data/kv", fields, rank=1)
+    assert ns1.blocks_dir == f"/data/kv/meta-llama_Llama-3-8B_{digest}_r1"
+    assert namespace("/data/kv", fields, rank=0).blocks_dir.endswith("_r0")
+    assert ns1.base_dir == f"/data/kv/meta-llama_Llama-3-8B_{digest}"
+
+
+def test_parallel_agnostic_namespace_is_shared_by_all_ranks() -> None:
+    g = geometry(tp_size=2)
+    agnostic = [namespace("/r", g.run_fields(4), rank=r) for r in range(2)]
+    assert agnostic[0].blocks_dir == agnostic[1].blocks_dir
+    assert agnostic[1].blocks_dir.endswith("_r0")
+    assert agnostic[0].digest == expected_digest(geometry().run_fields(4))  # TP does not matter
+    assert agnostic[0].digest != namespace("/r", g.run_fields(4, parallel_agnostic=False), 0).digest
+
+
+def test_empty_root_gives_relative_paths() -> None:
+    fields = geometry().run_fields(1)
+    ns = namespace("", fields, 0)
+    assert ns.base_dir == f"meta-llama_Llama-3-8B_{expected_digest(fields)}"
+    assert not ns.chunk_path(make_offload_key(bytes(16))).startswith("/")
+
+
+def test_chunk_paths_shard_by_hash_prefix_and_group() -> None:
+    ns = namespace("/r", geometry().run_fields(1), 0)
+    h = bytes.fromhex("abcdef0123456789" * 4)
+    key = make_offload_key(h, 7)
+    assert ns.chunk_relpath(key) == f"abc/de_g7/{h.hex()}.bin"
+    assert ns.chunk_path(key) == f"{ns.blocks_dir}/abc/de_g7/{h.hex()}.bin"
+
+
+@settings(max_examples=60, deadline=None)
+@given(h=st.binary(min_size=16, max_size=32), group=st.integers(0, 2**32 - 1))
+def test_key_from_relpath_inverts_chunk_relpath(h: bytes, group: int) -> None:
+    key = make_offload_key(h, group)
+    assert Namespace.key_from_relpath(Namespace.chunk_relpath(key)) == key
+
+
+@pytest.mark.parametrize(
+    "relpath",
+    [
+        "abc/de_g0/abcdef0123.bin.tmp",
+        "abc/de_g0/ABCDEF0123.bin",
+        "abd/de_g0/abcdef0123.bin",
+        "abc/df_g0/abcdef0123.bin",
+        "abc/de_g01/abcdef0123.bin",
+        "abc/de_g4294967296/abcdef0123.bin",
+        "abc/de_g0/abcdef012.bin",
+        "./abc/de_g0/abcdef0123.bin",
+        "x/abc/de_g0/abcdef0123.bin",
+        "abc/de_g0/abcdef0123.bin/",
+        "config.json",
+        "",
+    ],
+)
+def test_key_from_relpath_rejects_malformed_paths(relpath: str) -> None:
+    assert Namespace.key_from_relpath(relpath) is None
+
+
+def test_namespace_config_json_is_indented_and_sorted() -> None:
+    fields = geometry().run_fields(2)
+    ns = namespace("/r", fields, 0)
+    assert ns.config_json() == json.dumps(fields, indent=2, sort_keys=True)
+    assert json.loads(ns.config_json()) == fields
+    fields["model_name"] = "mutated"  # the namespace keeps its own copy
+    assert json.loads(ns.config_json())["model_name"] == MODEL
+
+
+@pytest.mark.parametrize(
+    "model",
+    ["../etc", "a/../../b", "/abs/model", "model\x00x", "a\\..\\b", "..", ""],
+)
+def test_model_names_that_could_escape_the_root_are_rejected(model: str) -> None:
+    fields = dict(geometry().run_fields(1), model_name=model)
+    with pytest.raises(ConfigError):
+        namespace("/r", fields, 0)
+
+
+@pytest.mark.parametrize("root", ["/r/../x", "..", "pre\x00fix", "a\\b"])
+def test_roots_that_could_escape_are_rejected(root: str) -> None:
+    with pytest.raises(ConfigError):
+        namespace(root, geometry().run_fields(1), 0)
+
+
+def test_model_name_becomes_a_single_path_segment() -> None:
+    ns = namespace("/r", geometry(model_name="org/sub/model").run_fields(1), 0)
+    assert ns.base_dir.count("/") == 2
+    assert ns.base_dir.startswith("/r/org_sub_model_")
+
+
+def test_negative_rank_is_rejected() -> None:
+    with pytest.raises(ConfigError):
+        namespace("/r", geometry().run_fields(1), -1)
