@@ -1,0 +1,754 @@
+"""KV-cache events: the wire structs, translation of residency changes, the ZMQ publisher, a CLI.
+
+Three layers, each usable alone:
+
+* **Structs** (:class:`BlockStored`, :class:`BlockRemoved`, :class:`AllBlocksCleared`,
+  :class:`KVEventBatch`) are byte-compatible with vLLM's KV events (reference §6.1/§6.2): tagged
+  msgspec structs (tag field ``type``, defaults omitted) inside an ``array_like`` batch
+  ``[ts, [events…], data_parallel_rank]``. A consumer written for vLLM decodes kvtier's stream.
+* :class:`EventTranslator` turns the tiers' :class:`~kvtier.types.OffloadingEvent` records into
+  those structs, either as placeholders (one per offload key) or, in self-describing mode, with the
+  chunk's constituent block hashes, parent hash, token ids, block size, LoRA name and group.
+* :class:`ZmqEventPublisher` is an engine component that sends batches on a ZMQ PUB socket from a
+  thread it owns, keeps a replay ring buffer behind an optional ROUTER socket, and never blocks the
+  serving path (a full queue drops the batch and counts it).
+
+:func:`run_events_cli` is the ``kvtier events`` subscriber that prints batches as JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import queue
+import re
+import sys
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO, Union
+
+import anyio
+from anyio.abc import TaskStatus
+import msgspec
+
+from kvtier.errors import ConfigError
+from kvtier.keys import split_offload_key
+from kvtier.types import OffloadingEvent
+
+__all__ = [
+    "ExternalBlockHash",
+    "BlockStored",
+    "BlockRemoved",
+    "AllBlocksCleared",
+    "KVEvent",
+    "KVEventBatch",
+    "ChunkMetadata",
+    "EventTranslator",
+    "external_hash",
+    "PublisherStatistics",
+    "ZmqEventPublisher",
+    "publisher_from_config",
+    "offset_endpoint_for_rank",
+    "run_events_cli",
+]
+
+logger = logging.getLogger(__name__)
+
+#: A block hash as published: the last 8 bytes as an unsigned int (default) or the raw bytes.
+ExternalBlockHash = Union[bytes, int]
+
+_HASH_MASK = 2**64 - 1
+#: Frame sent after the last replayed batch: sequence -1 (8-byte signed big-endian).
+_END_OF_REPLAY_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Wire structs (field sets and order are vLLM's; do not reorder: array-free maps are keyed, but
+# the verified reference output lists fields in this order and some consumers compare bytes)
+# --------------------------------------------------------------------------------------------
+
+
+class _KVCacheEvent(msgspec.Struct, tag=True, tag_field="type", omit_defaults=True, gc=False):
+    """Base of the KV events: encoded as a msgpack map tagged ``"type": <class name>``."""
+
+
+class BlockStored(_KVCacheEvent):
+    """Blocks became resident in ``medium``. The first seven fields are required on the wire."""
+
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[int] | None = None
+
+
+class BlockRemoved(_KVCacheEvent):
+    """Blocks left ``medium`` (evicted, deleted, found corrupt, or a failed store released)."""
+
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(_KVCacheEvent):
+    """Every block of the publisher was dropped (cache reset)."""
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One published batch: msgpack array ``[ts, [events…], data_parallel_rank]``."""
+
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+
+
+def external_hash(block_hash: bytes, int_hashes: bool = True) -> ExternalBlockHash:
+    """The published form of a hash: ``int.from_bytes(h, "big") & (2**64-1)`` or the raw bytes."""
+    if int_hashes:
+        return int.from_bytes(block_hash, "big") & _HASH_MASK
+    return bytes(block_hash)
+
+
+# --------------------------------------------------------------------------------------------
+# Translation of OffloadingEvent
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkMetadata:
+    """What a self-describing event says about one chunk (reference §6.3).
+
+    ``block_hashes`` are the chunk's constituent per-block hashes, ``parent_block_hash`` the hash
+    preceding the chunk (``None`` for the first chunk of a sequence), ``token_ids`` the chunk's
+    tokens and ``block_size`` the tokens per block.
+    """
+
+    block_hashes: Sequence[bytes]
+    parent_block_hash: bytes | None
+    token_ids: Sequence[int]
+    block_size: int
+    lora_name: str | None = None
+    group_idx: int = 0
+
+    def __post_init__(self) -> None:
+        # Snapshot the caller's lists: the translator may hold this long after the request ends.
+        object.__setattr__(self, "block_hashes", tuple(self.block_hashes))
+        object.__setattr__(self, "token_ids", tuple(self.token_ids))
+        if self.block_size < 0 or self.group_idx < 0:
+            raise ValueError("block_size and group_idx must be non-negative")
+
+
+@dataclass(slots=True)
+class _Remembered:
+    metadata: ChunkMetadata
+    # (medium, ownership) pairs that currently hold the chunk, as seen in translated events.
+    residencies: set[tuple[str | None, str | None]] = field(default_factory=set)
+
+
+def _wire_str(value: object) -> str | None:
+    """Enum members (``Medium.CPU``) publish as their value; plain strings pass through."""
+    if value is None:
+        return None
+    return str(getattr(value, "value", value))
+
+
+class EventTranslator:
+    """Turns :class:`OffloadingEvent` records into KV event structs.
+
+    Placeholder mode (``self_describing=False``, vLLM's default): one :class:`BlockStored` per
+    offload key with ``block_hashes=[hash of the key]``, no parent, no tokens, ``block_size=0``;
+    one :class:`BlockRemoved` per KV group per removal event. Consumers ignore unknown hashes.
+
+    Self-describing mode: the engine calls :meth:`remember_chunk` when it stores or looks up a
+    chunk; events for remembered keys carry the chunk's constituent hashes and payload, and a
+    removal fans out to the same hashes. A chunk is forgotten when its last residency (medium,
+    ownership) is removed, on :meth:`cleared`, or when the table exceeds ``max_chunks`` (oldest
+    first; later events for it fall back to placeholders). Keys never remembered always get
+    placeholders.
+
+    Events without keys are dropped (a ``metadata_only`` removal whose keys are all still held
+    arrives empty). Not thread-safe: called from the engine's loop thread only.
+    """
+
+    def __init__(self, self_describing: bool, int_hashes: bool = True, *, max_chunks: int = 16384) -> None:
+        if max_chunks < 1:
+            raise ValueError("max_chunks must be at least 1")
+        self.self_describing = self_describing
+        self.int_hashes = int_hashes
+        self.max_chunks = max_chunks
+        self._chunks: OrderedDict[bytes, _Remembered] = OrderedDict()
+
+    def __len__(self) -> int:
+        """Number of remembered chunks (bounded by ``max_chunks``)."""
+        return len(self._chunks)
+
+    def remember_chunk(self, key: bytes, metadata: ChunkMetadata) -> None:
+        """Record the payload of ``key`` (a no-op in placeholder mode)."""
+        if not self.self_describing:
+            return
+        entry = self._chunks.get(key)
+        if entry is None:
+            self._chunks[key] = _Remembered(metadata)
+            while len(self._chunks) > self.max_chunks:
+                self._chunks.popitem(last=False)
+        else:
+            entry.metadata = metadata
+            self._chunks.move_to_end(key)
+
+    def translate(self, events: Iterable[OffloadingEvent]) -> list[KVEvent]:
+        """Translate in order; the result may be empty."""
+        out: list[KVEvent] = []
+        for event in events:
+            if not event.keys:
+                continue
+            medium = _wire_str(event.medium)
+            locality = _wire_str(event.locality)
+            ownership = event.ownership
+            if event.removed:
+                out.extend(self._removed(event.keys, medium, locality, ownership))
+            else:
+                out.extend(self._stored(event.keys, medium, locality, ownership))
+        return out
+
+    def cleared(self) -> list[KVEvent]:
+        """Events for a cache reset; forgets every remembered chunk."""
+        self._chunks.clear()
+        return [AllBlocksCleared()]
+
+    def _hash(self, h: bytes) -> ExternalBlockHash:
+        return external_hash(h, self.int_hashes)
+
+    def _stored(
+        self, keys: Sequence[bytes], medium: str | None, locality: str | None, ownership: str | None
+    ) -> list[KVEvent]:
+        out: list[KVEvent] = []
+        for key in keys:
+            entry = self._chunks.get(key) if self.self_describing else None
+            if entry is not None:
+                entry.residencies.add((medium, ownership))
+                self._chunks.move_to_end(key)
+                md = entry.metadata
+                out.append(
+                    BlockStored(
+                        block_hashes=[self._hash(h) for h in md.block_hashes],
+                        parent_block_hash=None if md.parent_block_hash is None else self._hash(md.parent_block_hash),
+                        token_ids=list(md.token_ids),
+                        block_size=md.block_size,
+                        lora_id=None,
+                        medium=medium,
+                        lora_name=md.lora_name,
+                        group_idx=md.group_idx,
+                        locality=locality,
+                        ownership=ownership,
+                    )
+                )
+            else:
+                block_hash, group_idx = split_offload_key(key)
+                out.append(
+                    BlockStored(
+                        block_hashes=[self._hash(block_hash)],
+                        parent_block_hash=None,
+                        token_ids=[],
+                        block_size=0,
+                        lora_id=None,
+                        medium=medium,
+                        lora_name=None,
+                        group_idx=group_idx,
+                        locality=locality,
+                        ownership=ownership,
+                    )
+                )
+        return out
+
+    def _removed(
+        self, keys: Sequence[bytes], medium: str | None, locality: str | None, ownership: str | None
+    ) -> list[KVEvent]:
+        by_group: dict[int, list[ExternalBlockHash]] = {}
+        for key in keys:
+            entry = self._chunks.get(key) if self.self_describing else None
+            if entry is not None:
+                by_group.setdefault(entry.metadata.group_idx, []).extend(
+                    self._hash(h) for h in entry.metadata.block_hashes
+                )
+                entry.residencies.discard((medium, ownership))
+                if not entry.residencies:
+                    del self._chunks[key]
+            else:
+                block_hash, group_idx = split_offload_key(key)
+                by_group.setdefault(group_idx, []).append(self._hash(block_hash))
+        return [
+            BlockRemoved(block_hashes=hashes, medium=medium, group_idx=group, locality=locality, ownership=ownership)
+            for group, hashes in by_group.items()
+        ]
+
+
+# --------------------------------------------------------------------------------------------
+# Publisher
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PublisherStatistics:
+    """Snapshot of a publisher. ``sequence`` is the number the next published batch will carry."""
+
+    queue_depth: int
+    published_batches: int
+    dropped_batches: int
+    sequence: int
+    replay_requests: int
+
+
+_TCP_PORT = re.compile(r"^(tcp://.*):(\d+)$")
+
+
+def offset_endpoint_for_rank(endpoint: str, rank: int) -> str:
+    """vLLM's per-DP-rank endpoint: TCP port + rank, ``inproc`` name + ``_dp<rank>``.
+
+    Port 0, ``*`` ports, ``ipc://`` and rank 0 are returned unchanged.
+    """
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    match = _TCP_PORT.match(endpoint)
+    if match and int(match.group(2)) != 0:
+        return f"{match.group(1)}:{int(match.group(2)) + rank}"
+    return endpoint
+
+
+def _binds(endpoint: str) -> bool:
+    """vLLM's rule: bind wildcard, IPv6-any and local transports; connect to anything else."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+_STOP_POLL_S = 0.05  # how often the publisher thread looks at the stop flag and the replay socket
+_DRAIN_ON_CLOSE_S = 0.5  # queued batches still sent on close, at most this long
+_LINGER_MS = 200
+_MAX_REPLAY_REQUEST_BYTES = 1024
+_MAX_CLI_MESSAGE_BYTES = 256 * 1024 * 1024
+
+
+class ZmqEventPublisher:
+    """Publishes KV event batches on a ZMQ PUB socket, compatible with vLLM's publisher.
+
+    Each batch goes out as the multipart message ``(topic, seq as 8-byte big-endian, payload)``
+    where ``payload`` is the msgpack ``[ts, [events…], data_parallel_rank]`` and ``seq`` counts
+    published batches from 0. The PUB socket binds when the endpoint contains ``*``, ``::`` or is
+    ``ipc://``/``inproc://`` and connects otherwise; endpoints are offset by
+    ``data_parallel_rank`` (:func:`offset_endpoint_for_rank`). With ``replay_endpoint`` a ROUTER
+    socket answers ``[client, "", start_seq]`` with every buffered batch (the last
+    ``buffer_steps``) whose seq ≥ start_seq as ``(client, "", topic, seq, payload)`` followed by
+    the end marker ``(client, "", "", -1, "")``.
+
+    Back-pressure: :meth:`publish` never blocks. It enqueues onto a queue of ``max_queue_size``
+    batches; when that is full the batch is dropped and counted. PUB itself drops messages for a
+    slow subscriber beyond ``hwm``. Batches still queued when the publisher closes are sent for at
+    most 0.5 s, the rest are counted as dropped, so after :meth:`aclose` every offered batch is
+    either published or dropped.
+
+    Lifecycle: an engine component. ``await tg.start(publisher.run)`` creates the sockets in a
+    thread the publisher owns (started with ``anyio.to_thread.run_sync``, so it is joined by the
+    task group); ``started()`` is signalled once the sockets are bound, so :attr:`last_endpoint`
+    is then the actual address. :meth:`aclose` (or cancelling ``run``) stops the thread within
+    about a second. pyzmq's async API is asyncio-only; the thread keeps the publisher usable on
+    trio too.
+    """
+
+    def __init__(
+        self,
+        endpoint: str = "tcp://*:5557",
+        replay_endpoint: str | None = None,
+        buffer_steps: int = 10000,
+        hwm: int = 100000,
+        max_queue_size: int = 100000,
+        topic: str = "",
+        data_parallel_rank: int = 0,
+        *,
+        int_hashes: bool = True,
+    ) -> None:
+        self.endpoint = offset_endpoint_for_rank(endpoint, data_parallel_rank)
+        self.replay_endpoint = (
+            None if replay_endpoint is None else offset_endpoint_for_rank(replay_endpoint, data_parallel_rank)
+        )
+        self.buffer_steps = buffer_steps
+        self.hwm = hwm
+        self.max_queue_size = max_queue_size
+        self.topic = topic
+        self.data_parallel_rank = data_parallel_rank
+        #: Not used on the wire by the publisher; read by the engine to build its EventTranslator.
+        self.int_hashes = int_hashes
+        #: Actual addresses once ``run`` has started (ephemeral ports resolved).
+        self.last_endpoint: str | None = None
+        self.last_replay_endpoint: str | None = None
+
+        self._queue: queue.Queue[tuple[float, list[KVEvent]]] = queue.Queue(maxsize=max_queue_size)
+        self._stop = threading.Event()
+        self._closed = False
+        self._finished: anyio.Event | None = None
+        self._published = 0
+        self._dropped = 0
+        self._seq = 0
+        self._replay_requests = 0
+        self._drop_lock = threading.Lock()  # publish() may be called from several threads
+        self._encoder = msgspec.msgpack.Encoder()
+
+    def __repr__(self) -> str:
+        return f"ZmqEventPublisher(endpoint={self.endpoint!r}, replay_endpoint={self.replay_endpoint!r})"
+
+    # -- serving path -------------------------------------------------------------------------
+
+    def publish(self, events: Sequence[KVEvent], ts: float | None = None) -> bool:
+        """Queue one batch without blocking; ``False`` if it was dropped (queue full or closed).
+
+        An empty ``events`` is not a batch: nothing is queued and ``True`` is returned.
+        Thread-safe.
+        """
+        if not events:
+            return True
+        if self._closed:
+            self._count_dropped(1)
+            return False
+        try:
+            self._queue.put_nowait((time.time() if ts is None else ts, list(events)))
+        except queue.Full:
+            self._count_dropped(1)
+            return False
+        return True
+
+    def statistics(self) -> PublisherStatistics:
+        return PublisherStatistics(
+            queue_depth=self._queue.qsize(),
+            published_batches=self._published,
+            dropped_batches=self._dropped,
+            sequence=self._seq,
+            replay_requests=self._replay_requests,
+        )
+
+    def _count_dropped(self, n: int) -> None:
+        with self._drop_lock:
+            self._dropped += n
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Run the publisher thread until :meth:`aclose` or cancellation; raises if binding fails."""
+        if self._finished is not None or self._closed:
+            raise RuntimeError("a ZmqEventPublisher runs once")
+        self._finished = anyio.Event()
+        ready = anyio.Event()
+        thread_done = anyio.Event()
+
+        async def run_thread() -> None:
+            try:
+                # abandon_on_cancel=False: the thread is always joined; the stop flag ends it.
+                await anyio.to_thread.run_sync(self._thread_main, ready, abandon_on_cancel=False)
+            finally:
+                thread_done.set()
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run_thread)
+                try:
+                    await ready.wait()
+                    task_status.started()
+                    await thread_done.wait()
+                finally:
+                    # Cancellation (or aclose) reaches the thread only through this flag.
+                    self._stop.set()
+        finally:
+            self._closed = True
+            self._finished.set()
+
+    async def aclose(self) -> None:
+        """Stop publishing: new batches are dropped; queued ones get ≤ 0.5 s; waits for the thread."""
+        self._closed = True
+        self._stop.set()
+        if self._finished is not None:
+            await self._finished.wait()
+        else:  # never ran: whatever is queued will never be sent
+            self._count_dropped(self._drain_queue_count())
+
+    def _drain_queue_count(self) -> int:
+        n = 0
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return n
+            n += 1
+
+    # -- the publisher thread -------------------------------------------------------------------
+
+    def _thread_main(self, ready: anyio.Event) -> None:
+        import zmq  # imported here so that importing kvtier.events stays cheap
+
+        ctx = zmq.Context()
+        pub = ctx.socket(zmq.PUB)
+        replay = None
+        try:
+            pub.setsockopt(zmq.SNDHWM, self.hwm)
+            pub.setsockopt(zmq.LINGER, _LINGER_MS)
+            if _binds(self.endpoint):
+                pub.bind(self.endpoint)
+            else:
+                pub.connect(self.endpoint)
+            self.last_endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT) or self.endpoint
+            if self.replay_endpoint is not None:
+                replay = ctx.socket(zmq.ROUTER)
+                replay.setsockopt(zmq.SNDHWM, 2 * (self.buffer_steps + 1))
+                # Requests are 8-byte sequence numbers; refuse anything large from the network.
+                replay.setsockopt(zmq.MAXMSGSIZE, _MAX_REPLAY_REQUEST_BYTES)
+                replay.setsockopt(zmq.LINGER, _LINGER_MS)
+                replay.bind(self.replay_endpoint)
+                self.last_replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
+            anyio.from_thread.run_sync(ready.set)
+            self._serve(pub, replay)
+        finally:
+            pub.close()
+            if replay is not None:
+                replay.close()
+            ctx.term()
+
+    def _serve(self, pub: Any, replay: Any) -> None:
+        topic = self.topic.encode()
+        ring: deque[tuple[int, bytes]] = deque(maxlen=self.buffer_steps)
+        while not self._stop.is_set():
+            try:
+                item = self._queue.get(timeout=_STOP_POLL_S)
+            except queue.Empty:
+                item = None
+            if item is not None:
+                self._send(pub, topic, ring, item)
+            if replay is not None:
+                self._answer_replays(replay, topic, ring)
+        deadline = time.monotonic() + _DRAIN_ON_CLOSE_S
+        while time.monotonic() < deadline:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            self._send(pub, topic, ring, item)
+        self._count_dropped(self._drain_queue_count())
+
+    def _send(self, pub: Any, topic: bytes, ring: deque[tuple[int, bytes]], item: tuple[float, list[KVEvent]]) -> None:
+        ts, events = item
+        payload = self._encoder.encode(KVEventBatch(ts=ts, events=events, data_parallel_rank=self.data_parallel_rank))
+        seq = self._seq
+        # PUB never blocks: beyond SNDHWM (or with no subscriber) ZMQ drops the message itself.
+        pub.send_multipart((topic, seq.to_bytes(8, "big"), payload), copy=False)
+        ring.append((seq, payload))
+        self._seq = seq + 1
+        self._published += 1
+
+    def _answer_replays(self, replay: Any, topic: bytes, ring: deque[tuple[int, bytes]]) -> None:
+        import zmq
+
+        while replay.poll(0, zmq.POLLIN):
+            frames = replay.recv_multipart()
+            # Untrusted input: anything but [client, "", 8-byte seq] is ignored.
+            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+                logger.warning("ignoring malformed KV event replay request (%d frames)", len(frames))
+                continue
+            self._replay_requests += 1
+            client = frames[0]
+            start = int.from_bytes(frames[2], "big")
+            try:
+                for seq, payload in list(ring):
+                    if seq >= start:
+                        replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
+                replay.send_multipart((client, b"", b"", _END_OF_REPLAY_SEQ, b""), zmq.NOBLOCK)
+            except zmq.Again:
+                logger.warning("KV event replay client too slow; replay truncated")
+
+
+_PUBLISHER_KEYS: dict[str, tuple[type, ...]] = {
+    "endpoint": (str,),
+    "replay_endpoint": (str, type(None)),
+    "buffer_steps": (int,),
+    "hwm": (int,),
+    "max_queue_size": (int,),
+    "topic": (str,),
+    "data_parallel_rank": (int,),
+    "int_hashes": (bool,),
+}
+_INT_BOUNDS: dict[str, tuple[int, int]] = {
+    "buffer_steps": (1, 10_000_000),
+    "hwm": (0, 100_000_000),
+    "max_queue_size": (1, 100_000_000),
+    "data_parallel_rank": (0, 65535),
+}
+_ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def publisher_from_config(events_cfg: Mapping[str, Any]) -> ZmqEventPublisher:
+    """Validate the ``events`` dictionary of ``kvtier.open`` and build the publisher.
+
+    Keys (all optional): ``endpoint``, ``replay_endpoint``, ``buffer_steps``, ``hwm``,
+    ``max_queue_size``, ``topic``, ``data_parallel_rank``, ``int_hashes``. An unknown key or a bad
+    value raises :class:`~kvtier.errors.ConfigError` naming ``events.<key>``.
+    """
+    if not isinstance(events_cfg, Mapping):
+        raise ConfigError(f"events must be a mapping, got {type(events_cfg).__name__}")
+    kwargs: dict[str, Any] = {}
+    for key, value in events_cfg.items():
+        if key not in _PUBLISHER_KEYS:
+            raise ConfigError(f"events.{key}: unknown key (allowed: {', '.join(sorted(_PUBLISHER_KEYS))})")
+        allowed = _PUBLISHER_KEYS[key]
+        if not isinstance(value, allowed) or (bool not in allowed and isinstance(value, bool)):
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            raise ConfigError(f"events.{key}: expected {names}, got {type(value).__name__}")
+        if key in _INT_BOUNDS:
+            low, high = _INT_BOUNDS[key]
+            if not low <= value <= high:
+                raise ConfigError(f"events.{key}: {value} is outside [{low}, {high}]")
+        if key in ("endpoint", "replay_endpoint") and value is not None:
+            if not value.startswith(_ENDPOINT_SCHEMES) or len(value) > 1024:
+                raise ConfigError(f"events.{key}: {value[:80]!r} is not a tcp://, ipc:// or inproc:// endpoint")
+        if key == "topic" and len(value.encode()) > 255:
+            raise ConfigError("events.topic: longer than 255 bytes")
+        kwargs[key] = value
+    return ZmqEventPublisher(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# `kvtier events` CLI
+# --------------------------------------------------------------------------------------------
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).hex()
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _event_lines(seq: int, payload: bytes) -> list[str]:
+    """JSON lines of one batch: ``{"seq", "ts", "data_parallel_rank", "type", <fields>…}``."""
+    batch = msgspec.msgpack.decode(payload)
+    if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
+        raise ValueError("not a KV event batch")
+    ts = batch[0]
+    dp_rank = batch[2] if len(batch) > 2 else None
+    lines = []
+    for event in batch[1]:
+        record: dict[str, Any] = {"seq": seq, "ts": ts, "data_parallel_rank": dp_rank}
+        if isinstance(event, dict):
+            record.update(_jsonable(event))
+        else:  # an array_like event from some other publisher: keep it, do not guess names
+            record["event"] = _jsonable(event)
+        lines.append(json.dumps(record))
+    return lines
+
+
+def _build_cli_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier events", description="Print KV events as JSON lines.")
+    parser.add_argument("--endpoint", default="tcp://127.0.0.1:5557", help="publisher PUB endpoint")
+    parser.add_argument("--topic", default="", help="topic to subscribe to")
+    parser.add_argument("--replay-endpoint", default=None, help="publisher ROUTER endpoint for replay")
+    parser.add_argument("--from-seq", type=int, default=0, help="first sequence number to replay")
+    parser.add_argument("--count", type=int, default=None, help="stop after this many batches")
+    parser.add_argument("--timeout", type=float, default=None, help="stop after this many seconds without a batch")
+    return parser
+
+
+def run_events_cli(argv: list[str], *, out: TextIO | None = None) -> int:
+    """``kvtier events``: subscribe and print one JSON line per event (hashes in bytes as hex).
+
+    With ``--replay-endpoint`` the buffered batches from ``--from-seq`` are printed first, then
+    live ones (batches already replayed are skipped). Exit status: 0 on ``--count`` batches or on
+    ``--timeout`` without ``--count``; 1 when ``--timeout`` expires before ``--count`` batches;
+    2 on bad arguments.
+    """
+    import zmq
+
+    out = sys.stdout if out is None else out
+    try:
+        args = _build_cli_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse exits on --help and on errors
+        return int(exc.code or 0)
+    if args.count is not None and args.count < 1 or args.from_seq < 0:
+        print("--count must be ≥ 1 and --from-seq ≥ 0", file=sys.stderr)
+        return 2
+    timeout_ms = None if args.timeout is None else max(int(args.timeout * 1000), 0)
+    seen = 0
+    last_seq = -1
+
+    def emit(seq: int, payload: bytes) -> None:
+        nonlocal seen, last_seq
+        try:
+            lines = _event_lines(seq, payload)
+        except (msgspec.DecodeError, ValueError) as exc:
+            print(f"seq {seq}: undecodable batch ({exc})", file=sys.stderr)
+            lines = []
+        for line in lines:
+            out.write(line + "\n")
+        out.flush()
+        seen += 1
+        last_seq = seq
+
+    def done() -> bool:
+        return args.count is not None and seen >= args.count
+
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.MAXMSGSIZE, _MAX_CLI_MESSAGE_BYTES)  # bound what a peer can make us buffer
+    dealer = None
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, args.topic.encode())
+        sub.connect(args.endpoint)
+        if args.replay_endpoint:
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.MAXMSGSIZE, _MAX_CLI_MESSAGE_BYTES)
+            dealer.connect(args.replay_endpoint)
+            dealer.send_multipart((b"", args.from_seq.to_bytes(8, "big")))
+            while not done():
+                if not dealer.poll(timeout_ms):
+                    return 0 if args.count is None else 1
+                frames = dealer.recv_multipart()
+                if len(frames) != 4:
+                    continue
+                if frames[2] == _END_OF_REPLAY_SEQ:
+                    break
+                emit(int.from_bytes(frames[2], "big"), frames[3])
+        while not done():
+            if not sub.poll(timeout_ms):
+                return 0 if args.count is None else 1
+            frames = sub.recv_multipart()
+            if len(frames) != 3 or len(frames[1]) != 8:
+                continue
+            seq = int.from_bytes(frames[1], "big")
+            if seq <= last_seq:  # already printed from the replay
+                continue
+            emit(seq, frames[2])
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        sub.close()
+        if dealer is not None:
+            dealer.close()
+        ctx.term()
