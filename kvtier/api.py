@@ -133,6 +133,10 @@ class Engine:
         self._copy_counters = _CopyCounters()
         self._tick: anyio.Event | None = None
         self._closed = False
+        # load/store operations are "readers" of the host tier; reset_cache is the "writer".
+        self._active_ops = 0
+        self._ops_idle: anyio.Event | None = None
+        self._reset_gate: anyio.Event | None = None
         self.host: HostTier
         self.tiers: list[SecondaryTier] = []
         self.copy_engine: CopyEngine | None = None
@@ -298,6 +302,19 @@ class Engine:
         self._copy_counters.record(direction, result)
         return result
 
+    @contextlib.asynccontextmanager
+    async def _operation(self) -> AsyncIterator[None]:
+        """Admit one load/store; waits while a reset is in progress."""
+        while self._reset_gate is not None:
+            await self._reset_gate.wait()
+        self._active_ops += 1
+        try:
+            yield
+        finally:
+            self._active_ops -= 1
+            if self._active_ops == 0 and self._ops_idle is not None:
+                self._ops_idle.set()
+
     # ------------------------------------------------------------------ keys
     def chunk_keys(self, token_ids: Sequence[int]) -> list[bytes]:
         """Offload keys of the complete chunks of ``token_ids`` (prefix order)."""
@@ -352,6 +369,11 @@ class Engine:
                                 params: Mapping[str, Any] | None = None, *,
                                 num_computed_tokens: int = 0) -> LoadOutcome:
         """Like :meth:`load`, also reporting how many tokens came from each tier label."""
+        async with self._operation():
+            return await self._load(token_ids, block_ids, params, num_computed_tokens)
+
+    async def _load(self, token_ids: Sequence[int], block_ids: Sequence[int],
+                    params: Mapping[str, Any] | None, num_computed_tokens: int) -> LoadOutcome:
         keys = self.chunk_keys(token_ids)
         first = max(0, num_computed_tokens) // self.chunk_tokens
         ctx = self._context("load", params, keys[first:], first)
@@ -419,6 +441,11 @@ class Engine:
         ``offload_prompt_only`` is set and ``num_prompt_tokens`` is given, stops at the prompt.
         If no host slot can be freed within ``wait_timeout_s`` nothing is offloaded (0).
         """
+        async with self._operation():
+            return await self._store(token_ids, block_ids, params, num_prompt_tokens)
+
+    async def _store(self, token_ids: Sequence[int], block_ids: Sequence[int],
+                     params: Mapping[str, Any] | None, num_prompt_tokens: int | None) -> int:
         keys = self.chunk_keys(token_ids)
         ctx = self._context("store", params, keys)
         limit = len(token_ids)
@@ -462,20 +489,26 @@ class Engine:
     async def reset_cache(self) -> None:
         """Drop every chunk from host memory (secondary tiers keep theirs), safely.
 
-        Waits until no tier job is in flight, then resets; promotions resume at once since no
-        device copy can still target a freed slot (copies are awaited by the calls that issue them).
+        New loads and stores wait; the ones running finish first (so no device copy can target
+        a freed slot), then every tier job in flight is drained, then the host tier is reset.
         """
-        deadline = anyio.current_time() + self.wait_timeout_s
-        self.manager.on_schedule_end()
-        while self.manager.jobs_in_flight:
-            await self._wait_progress(deadline)
-            self._dispatch()
-            if anyio.current_time() > deadline:
-                raise TimeoutError("tier jobs did not finish in time for reset_cache")
-        self.manager.reset_cache()
-        self.manager.on_reset_flushed()
-        if self.publisher is not None:
-            self.publisher.publish(self.translator.cleared())
+        while self._reset_gate is not None:  # a reset is already running: that one will do
+            await self._reset_gate.wait()
+            return
+        gate = self._reset_gate = anyio.Event()
+        try:
+            while self._active_ops:
+                idle = self._ops_idle = anyio.Event()
+                await idle.wait()
+            self._ops_idle = None
+            await self.drain()
+            self.manager.reset_cache()
+            self.manager.on_reset_flushed()
+            if self.publisher is not None:
+                self.publisher.publish(self.translator.cleared())
+        finally:
+            self._reset_gate = None
+            gate.set()
 
     async def drain(self) -> None:
         """Wait until every job in flight (cascades included) has been reported."""
