@@ -1,0 +1,459 @@
+"""Blocking file primitives of the filesystem tier and the dual-queue thread pool that runs them.
+
+Everything here is synchronous except :class:`DualQueuePool`'s awaitable front door. The
+primitives never touch tier bookkeeping; they take paths and buffers and either return or raise
+``OSError`` (mapped to a tier error by the caller).
+
+Atomic publication (:func:`write_chunk`): bytes go to a unique temporary name *in the destination
+directory* (``<final>_<random 63-bit int>.tmp``, opened ``O_EXCL``) and are renamed over the final
+name, so a reader sees either no file or a complete one; a crash leaves at most a stray ``.tmp``
+file, which :func:`scan_tree` removes once it is older than a grace period. No ``fsync``: chunks are
+a cache, losing the last ones on power failure only costs a recompute, and the trailer check
+catches torn pages.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import errno
+import mmap
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+
+from kvtier.layout import Namespace
+from kvtier.tiers.integrity import TRAILER_PAGE, TRAILER_SIZE, SizeClass, classify_size
+
+__all__ = [
+    "IOQueue",
+    "DualQueuePool",
+    "PoolStatistics",
+    "probe_o_direct",
+    "write_chunk",
+    "read_chunk",
+    "ReadOutcome",
+    "remove_file",
+    "scan_tree",
+    "ScanResult",
+    "ScannedChunk",
+    "TMP_SUFFIX",
+]
+
+T = TypeVar("T")
+
+TMP_SUFFIX = ".tmp"
+_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+_PROBE_NAME = ".kvtier_odirect_probe"
+
+# ------------------------------------------------------------------------------------------------
+# Raw primitives
+# ------------------------------------------------------------------------------------------------
+
+_scratch = threading.local()
+
+
+def _scratch_page() -> memoryview:
+    """A page-aligned, thread-private page (``O_DIRECT`` needs aligned buffers for the trailer)."""
+    page = getattr(_scratch, "page", None)
+    if page is None:
+        # An anonymous mapping is page aligned; one per thread, kept for the thread's life.
+        _scratch.mapping = mmap.mmap(-1, TRAILER_PAGE)
+        page = _scratch.page = memoryview(_scratch.mapping)
+    return page
+
+
+def probe_o_direct(directory: str) -> bool:
+    """Whether ``directory``'s filesystem accepts an aligned ``O_DIRECT`` write (tmpfs, overlayfs
+    and some NFS mounts do not). Writes and deletes one hidden probe file."""
+    if not _O_DIRECT:
+        return False
+    path = os.path.join(directory, f"{_PROBE_NAME}_{secrets.randbits(63)}")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | _O_DIRECT, 0o644)
+    except OSError:
+        return False
+    try:
+        page = _scratch_page()
+        page[:] = bytes(TRAILER_PAGE)
+        return os.pwrite(fd, page, 0) == TRAILER_PAGE
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def write_chunk(path: str, payload: memoryview, trailer_page: bytes, *, o_direct: bool) -> int:
+    """Publish ``payload`` + ``trailer_page`` at ``path`` atomically; return the bytes written.
+
+    Returns 0 without writing when ``path`` already exists (content-addressed: the bytes are the
+    same chunk). Creates missing parent directories. On any error no temporary file remains and
+    the ``OSError`` propagates; a short write raises ``OSError(EIO)``. With ``o_direct`` the
+    payload must be page aligned with a page-multiple length (host slots are).
+    """
+    if os.path.exists(path):
+        return 0
+    tmp = f"{path}_{secrets.randbits(63)}{TMP_SUFFIX}"
+    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | (_O_DIRECT if o_direct else 0)
+    try:
+        fd = os.open(tmp, flags, 0o644)
+    except FileNotFoundError:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(tmp, flags, 0o644)
+    total = len(payload) + len(trailer_page)
+    try:
+        try:
+            page = _scratch_page()
+            page[TRAILER_PAGE - len(trailer_page) :] = trailer_page
+            written = os.pwritev(fd, [payload, page[TRAILER_PAGE - len(trailer_page) :]], 0)
+        finally:
+            os.close(fd)
+        if written != total:
+            raise OSError(errno.EIO, f"short write ({written} of {total} bytes)", tmp)
+        try:
+            os.replace(tmp, path)
+        except FileExistsError:
+            # Some shared filesystems refuse to replace: another writer won with the same bytes.
+            _unlink_quietly(tmp)
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+    return total
+
+
+@dataclass(frozen=True, slots=True)
+class ReadOutcome:
+    """What :func:`read_chunk` found. ``trailer_page`` is set only for ``TRAILERED`` files whose
+    payload was read completely into the destination."""
+
+    size_class: SizeClass
+    file_size: int
+    trailer_page: bytes | None = None
+
+
+def read_chunk(path: str, dst: memoryview, *, o_direct: bool) -> ReadOutcome:
+    """Read the chunk at ``path`` into ``dst`` (exactly one slot) and return its trailer page.
+
+    The file's size is checked first: a ``SHORT``/``LONG`` file is reported without reading any
+    of it. A file that shrinks while being read is reported ``SHORT``. The caller verifies the
+    payload in ``dst`` against the trailer and must not trust ``dst`` before that.
+    Raises ``OSError`` (``FileNotFoundError`` for a missing file).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | (_O_DIRECT if o_direct else 0))
+    except OSError as exc:
+        if not (o_direct and exc.errno == errno.EINVAL):
+            raise
+        # This file sits on a filesystem without O_DIRECT (a mount below root_dir): read buffered.
+        fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        size_class = classify_size(size, len(dst))
+        if size_class in (SizeClass.SHORT, SizeClass.LONG):
+            return ReadOutcome(size_class, size)
+        if os.preadv(fd, [dst], 0) != len(dst):
+            return ReadOutcome(SizeClass.SHORT, size)
+        if size_class is SizeClass.RAW:
+            return ReadOutcome(size_class, size)
+        page = _scratch_page()
+        if os.preadv(fd, [page], len(dst)) != TRAILER_PAGE:
+            return ReadOutcome(SizeClass.SHORT, size)
+        return ReadOutcome(size_class, size, bytes(page))
+    finally:
+        os.close(fd)
+
+
+def remove_file(path: str) -> bool:
+    """Delete ``path``; ``False`` if it was already gone (not an error: others share the tree)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+# ------------------------------------------------------------------------------------------------
+# Scanning a run's block tree
+# ------------------------------------------------------------------------------------------------
+
+_DIR1 = re.compile(r"[0-9a-f]{3}")
+_DIR2 = re.compile(r"[0-9a-f]{2}_g[0-9]{1,10}")
+_TMP = re.compile(r"[0-9a-f]{6,}\.bin_[0-9]{1,20}\.tmp")
+
+
+@dataclass(frozen=True, slots=True)
+class ScannedChunk:
+    key: bytes  # offload key: hash bytes + 4-byte big-endian group index
+    size: int
+    mtime: float
+
+
+@dataclass(slots=True)
+class ScanResult:
+    """Chunks found under a block tree (sorted oldest first) and what happened to temp files."""
+
+    chunks: list[ScannedChunk] = field(default_factory=list)
+    removed_tmp: int = 0
+    kept_tmp: int = 0
+
+
+def scan_tree(blocks_dir: str, *, tmp_grace_s: float | None, now: float | None = None) -> ScanResult:
+    """Walk ``<blocks_dir>/<hhh>/<hh>_g<group>/<hash>.bin`` and list the chunks found.
+
+    Only names of exactly the layout's shape count; anything else is ignored (never deleted).
+    Temporary files older than ``tmp_grace_s`` seconds (by mtime) are removed — a writer that is
+    still alive renames its file long before that — ``None`` keeps them all. Symbolic links are
+    not followed, so a scan never leaves the tree. A missing ``blocks_dir`` is an empty tree; files
+    vanishing mid-scan (other processes) are skipped.
+    """
+    now = time.time() if now is None else now
+    result = ScanResult()
+    for d1 in _scandir(blocks_dir):
+        if not _DIR1.fullmatch(d1.name) or not d1.is_dir(follow_symlinks=False):
+            continue
+        for d2 in _scandir(d1.path):
+            if not _DIR2.fullmatch(d2.name) or not d2.is_dir(follow_symlinks=False):
+                continue
+            for entry in _scandir(d2.path):
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                key = Namespace.key_from_relpath(f"{d1.name}/{d2.name}/{entry.name}")
+                is_tmp = key is None and _TMP.fullmatch(entry.name) is not None
+                if key is None and not is_tmp:
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if key is not None:
+                    result.chunks.append(ScannedChunk(key, st.st_size, st.st_mtime))
+                elif tmp_grace_s is not None and now - st.st_mtime > tmp_grace_s:
+                    _unlink_quietly(entry.path)
+                    result.removed_tmp += 1
+                else:
+                    result.kept_tmp += 1
+    result.chunks.sort(key=lambda c: c.mtime)
+    return result
+
+
+def _scandir(path: str) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+# ------------------------------------------------------------------------------------------------
+# Dual-queue thread pool
+# ------------------------------------------------------------------------------------------------
+
+
+class IOQueue(enum.Enum):
+    """Which queue a task joins: loads go to ``READ``, stores and deletions to ``WRITE``."""
+
+    READ = "read"
+    WRITE = "write"
+
+
+class _State(enum.Enum):
+    QUEUED = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+class _Task(Generic[T]):
+    __slots__ = ("fn", "args", "done", "state", "result", "error")
+
+    def __init__(self, fn: Callable[..., T], args: tuple[Any, ...], done: anyio.Event) -> None:
+        self.fn = fn
+        self.args = args
+        self.done = done
+        self.state = _State.QUEUED
+        self.result: T | None = None
+        self.error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStatistics:
+    queued_reads: int
+    queued_writes: int
+    running: int
+    completed: int
+    read_threads: int
+    write_threads: int
+
+
+class DualQueuePool:
+    """``n_read`` read-priority and ``n_write`` write-priority worker threads over two FIFO queues.
+
+    A worker takes from its own queue when it is non-empty and otherwise *steals* from the other
+    one, so a burst of stores never leaves the read workers idle (and vice versa) while each
+    direction keeps its reserved workers. One job's chunks are separate tasks, so they run in
+    parallel across workers.
+
+    Lifecycle: :meth:`start` from the event-loop thread (it records the loop's token so workers
+    can wake it on asyncio and trio alike), :meth:`aclose` once; the threads are owned by the pool
+    and joined in ``aclose``. Queues are unbounded: back-pressure is the caller's (the tier bounds
+    concurrent stores/loads), so :meth:`run` never blocks on a full queue.
+    """
+
+    def __init__(self, n_read: int, n_write: int, *, name: str = "kvtier-io") -> None:
+        if n_read < 1 or n_write < 1:
+            raise ValueError(f"a pool needs ≥ 1 read and ≥ 1 write thread, got {n_read}/{n_write}")
+        self._n_read = n_read
+        self._n_write = n_write
+        self._name = name
+        self._cond = threading.Condition()
+        self._queues: dict[IOQueue, collections.deque[_Task[Any]]] = {
+            IOQueue.READ: collections.deque(),
+            IOQueue.WRITE: collections.deque(),
+        }
+        self._finished: list[_Task[Any]] = []
+        self._wake_pending = False
+        self._running = 0
+        self._completed = 0
+        self._stopping = False
+        self._threads: list[threading.Thread] = []
+        self._token: anyio.lowlevel.EventLoopToken | None = None
+
+    def start(self) -> None:
+        """Start the worker threads. Call once, from the event loop that will await :meth:`run`."""
+        if self._threads:
+            raise RuntimeError("pool already started")
+        self._token = anyio.lowlevel.current_token()
+        for i in range(self._n_read + self._n_write):
+            own = IOQueue.READ if i < self._n_read else IOQueue.WRITE
+            suffix = f"r{i}" if own is IOQueue.READ else f"w{i - self._n_read}"
+            thread = threading.Thread(target=self._worker, args=(own,), name=f"{self._name}-{suffix}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    async def run(self, queue: IOQueue, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on a worker; return its result or raise its exception.
+
+        Cancellation: a task still queued is withdrawn and never runs. A task already running
+        cannot be interrupted (it may be filling a caller's buffer), so cancellation waits,
+        shielded, until it finishes and then re-raises the cancellation — when this returns or
+        raises, no thread touches ``args`` any more. Raises ``anyio.ClosedResourceError`` after
+        :meth:`aclose`.
+        """
+        task: _Task[T] = _Task(fn, args, anyio.Event())
+        with self._cond:
+            if self._stopping or not self._threads:
+                raise anyio.ClosedResourceError("I/O pool is not running")
+            self._queues[queue].append(task)
+            self._cond.notify()
+        try:
+            await task.done.wait()
+        except BaseException:
+            with self._cond:
+                if task.state is _State.QUEUED and task in self._queues[queue]:
+                    self._queues[queue].remove(task)
+                    raise
+            with anyio.CancelScope(shield=True):
+                await task.done.wait()
+            raise
+        if task.error is not None:
+            raise task.error
+        return task.result  # type: ignore[return-value]
+
+    def statistics(self) -> PoolStatistics:
+        with self._cond:
+            return PoolStatistics(
+                queued_reads=len(self._queues[IOQueue.READ]),
+                queued_writes=len(self._queues[IOQueue.WRITE]),
+                running=self._running,
+                completed=self._completed,
+                read_threads=self._n_read,
+                write_threads=self._n_write,
+            )
+
+    async def aclose(self) -> None:
+        """Stop accepting tasks, fail the ones still queued, let running ones finish, join.
+
+        Joining happens off the event loop (workers need the loop to report completions).
+        Shielded from cancellation: the threads are always joined before this returns.
+        """
+        with self._cond:
+            self._stopping = True
+            leftovers = [t for q in self._queues.values() for t in q]
+            for q in self._queues.values():
+                q.clear()
+            for t in leftovers:
+                t.error = anyio.ClosedResourceError("I/O pool closed before the task ran")
+                self._finished.append(t)
+            self._cond.notify_all()
+        with anyio.CancelScope(shield=True):
+            threads, self._threads = self._threads, []
+            await anyio.to_thread.run_sync(_join_all, threads, limiter=anyio.CapacityLimiter(1))
+            self._dispatch()
+
+    # --- worker side --------------------------------------------------------------------------
+    def _worker(self, own: IOQueue) -> None:
+        other = IOQueue.WRITE if own is IOQueue.READ else IOQueue.READ
+        mine, theirs = self._queues[own], self._queues[other]
+        while True:
+            with self._cond:
+                while not (self._stopping or mine or theirs):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                task = mine.popleft() if mine else theirs.popleft()
+                task.state = _State.RUNNING
+                self._running += 1
+            try:
+                task.result = task.fn(*task.args)
+            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
+                task.error = exc
+            self._finish(task)
+
+    def _finish(self, task: _Task[Any]) -> None:
+        with self._cond:
+            self._running -= 1
+            self._completed += 1
+            self._finished.append(task)
+            # Only the first finisher of a burst crosses into the loop; the others ride along.
+            need_wake = not self._wake_pending
+            self._wake_pending = True
+        if need_wake:
+            try:
+                anyio.from_thread.run_sync(self._dispatch, token=self._token)
+            except RuntimeError:
+                # The loop is gone (process shutting down); nobody awaits these tasks any more.
+                pass
+
+    def _dispatch(self) -> None:
+        """On the loop thread: wake the awaiters of every finished task."""
+        with self._cond:
+            finished, self._finished = self._finished, []
+            self._wake_pending = False
+            for t in finished:
+                t.state = _State.FINISHED
+        for t in finished:
+            t.done.set()
+
+
+def _join_all(threads: list[threading.Thread]) -> None:
+    for thread in threads:
+        thread.join()

@@ -1,0 +1,274 @@
+"""Specification of the fs tier's raw file primitives and dual-queue pool (kvtier/tiers/fs_io.py)."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from kvtier.tiers import fs_io
+from kvtier.tiers.fs_io import DualQueuePool, IOQueue
+from kvtier.tiers.integrity import SizeClass, make_trailer_page, verify
+
+SLOT = 16384
+
+
+def _slot(fill: int) -> memoryview:
+    buf = mmap.mmap(-1, SLOT)  # page aligned, as host slots are
+    buf.write(bytes([fill]) * SLOT)
+    return memoryview(buf)
+
+
+@pytest.fixture(params=[False, True], ids=["buffered", "o_direct"])
+def o_direct(request: pytest.FixtureRequest, tmp_path: Path) -> bool:
+    if request.param and not fs_io.probe_o_direct(str(tmp_path)):
+        pytest.skip("this filesystem has no O_DIRECT")  # the buffered variant still runs
+    return bool(request.param)
+
+
+def test_write_then_read_round_trips_with_trailer(tmp_path: Path, o_direct: bool) -> None:
+    src = _slot(0xAB)
+    path = str(tmp_path / "abc" / "de_g0" / "abcdef00.bin")
+    assert fs_io.write_chunk(path, src, make_trailer_page(src), o_direct=o_direct) == SLOT + 4096
+    assert os.path.getsize(path) == SLOT + 4096
+    dst = _slot(0)
+    outcome = fs_io.read_chunk(path, dst, o_direct=o_direct)
+    assert outcome.size_class is SizeClass.TRAILERED
+    assert bytes(dst) == bytes(src)
+    assert verify(dst, outcome.trailer_page).verified
+
+
+def test_existing_final_file_is_a_finished_chunk_and_is_not_rewritten(tmp_path: Path) -> None:
+    path = str(tmp_path / "c.bin")
+    first = _slot(1)
+    fs_io.write_chunk(path, first, make_trailer_page(first), o_direct=False)
+    second = _slot(2)
+    assert fs_io.write_chunk(path, second, make_trailer_page(second), o_direct=False) == 0
+    dst = _slot(0)
+    fs_io.read_chunk(path, dst, o_direct=False)
+    assert bytes(dst) == bytes(first)
+
+
+def test_failed_write_leaves_no_temporary_or_final_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_space(*args: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fs_io.os, "pwritev", no_space)
+    src = _slot(3)
+    with pytest.raises(OSError) as info:
+        fs_io.write_chunk(str(tmp_path / "c.bin"), src, make_trailer_page(src), o_direct=False)
+    assert info.value.errno == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_short_write_is_an_error_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fs_io.os, "pwritev", lambda fd, bufs, off: 100)
+    src = _slot(3)
+    with pytest.raises(OSError) as info:
+        fs_io.write_chunk(str(tmp_path / "c.bin"), src, make_trailer_page(src), o_direct=False)
+    assert info.value.errno == errno.EIO
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_read_reports_wrong_sizes_without_reading(tmp_path: Path) -> None:
+    short, long_ = tmp_path / "s.bin", tmp_path / "l.bin"
+    short.write_bytes(b"x" * 100)
+    long_.write_bytes(b"x" * (SLOT + 8192))
+    dst = _slot(0)
+    assert fs_io.read_chunk(str(short), dst, o_direct=False).size_class is SizeClass.SHORT
+    assert fs_io.read_chunk(str(long_), dst, o_direct=False).size_class is SizeClass.LONG
+    assert bytes(dst) == bytes(SLOT)
+
+
+def test_raw_file_of_slot_size_reads_without_trailer(tmp_path: Path) -> None:
+    raw = tmp_path / "r.bin"
+    raw.write_bytes(b"\x05" * SLOT)
+    dst = _slot(0)
+    outcome = fs_io.read_chunk(str(raw), dst, o_direct=False)
+    assert outcome.size_class is SizeClass.RAW and outcome.trailer_page is None
+    assert bytes(dst) == b"\x05" * SLOT
+
+
+def test_missing_file_raises_file_not_found(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        fs_io.read_chunk(str(tmp_path / "none.bin"), _slot(0), o_direct=False)
+    assert fs_io.remove_file(str(tmp_path / "none.bin")) is False
+
+
+def test_scan_lists_layout_chunks_and_removes_only_stale_temporaries(tmp_path: Path) -> None:
+    h = "abcdef0123"
+    d = tmp_path / h[:3] / f"{h[3:5]}_g2"
+    d.mkdir(parents=True)
+    (d / f"{h}.bin").write_bytes(b"x" * 10)
+    stale = d / f"{h}.bin_123.tmp"
+    fresh = d / f"{h}.bin_456.tmp"
+    stale.write_bytes(b"t")
+    fresh.write_bytes(b"t")
+    old = time.time() - 1000
+    os.utime(stale, (old, old))
+    (d / "notes.txt").write_text("not ours")
+    (d / "ABCDEF0123.bin").write_bytes(b"upper-case is not a chunk name")
+    (tmp_path / "zzz").mkdir()
+    result = fs_io.scan_tree(str(tmp_path), tmp_grace_s=100.0)
+    assert [c.key for c in result.chunks] == [bytes.fromhex(h) + (2).to_bytes(4, "big")]
+    assert result.chunks[0].size == 10
+    assert (result.removed_tmp, result.kept_tmp) == (1, 1)
+    assert not stale.exists() and fresh.exists() and (d / "notes.txt").exists()
+
+
+def test_scan_of_a_missing_tree_is_empty(tmp_path: Path) -> None:
+    result = fs_io.scan_tree(str(tmp_path / "absent"), tmp_grace_s=0)
+    assert result.chunks == [] and result.removed_tmp == 0
+
+
+def test_scan_orders_chunks_oldest_first(tmp_path: Path) -> None:
+    names = ["aaa111", "bbb222", "ccc333"]
+    for age, h in zip((30, 10, 20), names):
+        d = tmp_path / h[:3] / f"{h[3:5]}_g0"
+        d.mkdir(parents=True)
+        f = d / f"{h}.bin"
+        f.write_bytes(b"x")
+        t = time.time() - age
+        os.utime(f, (t, t))
+    result = fs_io.scan_tree(str(tmp_path), tmp_grace_s=None)
+    assert [c.key[:-4].hex() for c in result.chunks] == ["aaa111", "ccc333", "bbb222"]
+
+
+# --- the pool ------------------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_pool_runs_tasks_and_propagates_results_and_errors() -> None:
+    pool = DualQueuePool(2, 2)
+    pool.start()
+    try:
+        assert await pool.run(IOQueue.READ, lambda a, b: a + b, 2, 3) == 5
+        with pytest.raises(ZeroDivisionError):
+            await pool.run(IOQueue.WRITE, lambda: 1 / 0)
+    finally:
+        await pool.aclose()
+    assert pool.statistics().completed == 2
+
+
+@pytest.mark.anyio
+async def test_one_queue_steals_idle_workers_of_the_other() -> None:
+    # 1 read + 3 write workers; 4 reads that block until all 4 run at once can only finish if
+    # the write-priority workers steal from the read queue.
+    pool = DualQueuePool(1, 3)
+    pool.start()
+    barrier = threading.Barrier(4, timeout=10)
+    names: list[str] = []
+
+    def blocking_read() -> None:
+        names.append(threading.current_thread().name)
+        barrier.wait()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for _ in range(4):
+                tg.start_soon(pool.run, IOQueue.READ, blocking_read)
+    finally:
+        await pool.aclose()
+    assert sorted(n.rsplit("-", 1)[1][0] for n in names) == ["r", "w", "w", "w"]
+
+
+@pytest.mark.anyio
+async def test_a_worker_with_both_queues_non_empty_takes_from_its_own() -> None:
+    pool = DualQueuePool(1, 1)
+    gates = {"kvtier-io-r0": threading.Event(), "kvtier-io-w0": threading.Event()}
+    taken_by: dict[str, str] = {}
+
+    def blocker() -> None:
+        gates[threading.current_thread().name].wait(10)
+
+    def record(kind: str) -> None:
+        taken_by[kind] = threading.current_thread().name
+
+    pool.start()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.run, IOQueue.READ, blocker)
+            tg.start_soon(pool.run, IOQueue.WRITE, blocker)
+            while pool.statistics().running < 2:
+                await anyio.sleep(0.001)
+            tg.start_soon(pool.run, IOQueue.WRITE, record, "write")
+            tg.start_soon(pool.run, IOQueue.READ, record, "read")
+            while pool.statistics().queued_reads + pool.statistics().queued_writes < 2:
+                await anyio.sleep(0.001)
+            gates["kvtier-io-w0"].set()  # only the write worker frees up, and both queues hold work
+            while "write" not in taken_by:
+                await anyio.sleep(0.001)
+            assert taken_by["write"] == "kvtier-io-w0"
+            gates["kvtier-io-r0"].set()
+    finally:
+        for gate in gates.values():
+            gate.set()
+        await pool.aclose()
+
+
+@pytest.mark.anyio
+async def test_cancelling_a_queued_task_withdraws_it() -> None:
+    pool = DualQueuePool(1, 1)
+    gate = threading.Event()
+    ran: list[int] = []
+    pool.start()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.run, IOQueue.READ, gate.wait)
+            tg.start_soon(pool.run, IOQueue.WRITE, gate.wait)
+            while pool.statistics().running < 2:
+                await anyio.sleep(0.001)
+            with anyio.move_on_after(0.05):
+                await pool.run(IOQueue.READ, ran.append, 1)
+            assert pool.statistics().queued_reads == 0
+            gate.set()
+    finally:
+        await pool.aclose()
+    assert ran == []
+
+
+@pytest.mark.anyio
+async def test_cancelling_a_running_task_waits_until_it_stops_touching_its_buffer() -> None:
+    pool = DualQueuePool(1, 1)
+    started, release = threading.Event(), threading.Event()
+    finished: list[bool] = []
+
+    def slow() -> None:
+        started.set()
+        release.wait(10)
+        finished.append(True)
+
+    pool.start()
+    try:
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(pool.run, IOQueue.WRITE, slow)
+                await anyio.to_thread.run_sync(started.wait)
+                scope.cancel()
+                release.set()
+        assert finished == [True]  # cancellation returned only after the task finished
+    finally:
+        await pool.aclose()
+
+
+@pytest.mark.anyio
+async def test_closed_pool_refuses_tasks_and_joins_its_threads() -> None:
+    pool = DualQueuePool(2, 1)
+    pool.start()
+    threads = [t for t in threading.enumerate() if t.name.startswith("kvtier-io-")]
+    assert len(threads) >= 3
+    await pool.aclose()
+    assert not any(t.is_alive() for t in threads if t.name.startswith("kvtier-io-"))
+    with pytest.raises(anyio.ClosedResourceError):
+        await pool.run(IOQueue.READ, lambda: None)
+
+
+def test_pool_needs_workers_in_both_groups() -> None:
+    with pytest.raises(ValueError):
+        DualQueuePool(0, 1)
