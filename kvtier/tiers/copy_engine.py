@@ -1,0 +1,628 @@
+"""Copy engines: move chunk bytes between the device KV cache and host slots, asynchronously.
+
+A copy engine is an async component (one anyio task group) with a synchronous, NON-BLOCKING
+front: the loop thread calls :meth:`CopyEngine.submit` and later drains
+:meth:`CopyEngine.get_finished`. Every submitted job is reported **exactly once**, successful or
+not, including jobs refused because the queue was full and jobs still queued at :meth:`aclose`.
+
+Who pins what: the caller (the engine / host tier) pins the host slots for the job's whole
+lifetime (``prepare_store``/``prepare_load`` before submit, ``complete_*`` after the result) and
+keeps the device blocks allocated until the result arrives. The engine only copies bytes.
+
+Layouts (``docs/internals.md``): ``device_kv`` is either a list of per-layer tensors
+``[num_blocks, 2, block_size, heads, head_dim]`` or one cross-layer tensor
+``[num_blocks, num_layers, 2, block_size, heads, head_dim]``; ``heads`` is this TP rank's share.
+A host slot is canonical and independent of TP: page ``(b, l)`` at ``(b * num_layers + l) *
+page_bytes``, i.e. the slot viewed as ``[bpc, num_layers, 2, block_size, all_heads, head_dim]``.
+A rank copies into its head slice of every page, so ``tp_size`` ranks together fill one slot.
+
+Two engines implement the contract: :class:`CpuCopyEngine` (the "device" is CPU memory; copies
+run in worker threads) and :class:`CudaCopyEngine` (copies on a dedicated CUDA stream, completion
+observed by polling a CUDA event — nothing on the serving path calls ``synchronize()``).
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+import anyio.abc
+import numpy as np
+import torch
+
+from kvtier.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvtier.layout import KVGeometry
+    from kvtier.tiers.slots import SlotBuffer
+
+__all__ = [
+    "CopyJob",
+    "CopyResult",
+    "CopyEngine",
+    "CpuCopyEngine",
+    "CudaCopyEngine",
+    "make_copy_engine",
+    "CLOSE_TIMEOUT_S",
+]
+
+log = logging.getLogger(__name__)
+
+Direction = Literal["to_host", "to_device"]
+
+#: How long :meth:`CopyEngine.aclose` waits for the task group to finish.
+CLOSE_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class CopyJob:
+    """Copy ``len(slot_ids)`` chunks between device blocks and host slots.
+
+    ``direction`` is ``"to_host"`` (device → host, a store) or ``"to_device"`` (host → device, a
+    load). Chunk ``i`` uses device blocks ``block_ids[i*bpc:(i+1)*bpc]`` and host slot
+    ``slot_ids[i]``; so ``len(block_ids) == len(slot_ids) * blocks_per_chunk``.
+    """
+
+    job_id: int
+    direction: Direction
+    slot_ids: Sequence[int]
+    block_ids: Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class CopyResult:
+    """Outcome of one job. ``nbytes`` counts bytes this rank copied (0 on failure);
+    ``seconds`` is issue → observed completion; ``error`` names the failure (``None`` on success)."""
+
+    job_id: int
+    success: bool
+    nbytes: int
+    seconds: float
+    error: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Geometry of one rank's copies
+# --------------------------------------------------------------------------------------------
+
+
+def _head_slice(geometry: KVGeometry, tp_rank: int) -> tuple[int, int]:
+    """(first head, head count) of ``tp_rank``'s KV heads inside a canonical page."""
+    try:
+        shard = geometry.shard(tp_rank)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    return shard.heads_start, shard.heads_count
+
+
+class _CopyPlan:
+    """Validated shapes plus the tensor views one job copies between.
+
+    Built once per engine; :meth:`pairs` yields ``(host_view, device_view)`` tensor pairs for a
+    job, coalescing runs of consecutive device blocks into one copy (with the cross-layer layout a
+    run is one contiguous region on both sides when ``tp_size == 1``).
+    """
+
+    def __init__(
+        self,
+        device_kv: torch.Tensor | Sequence[torch.Tensor],
+        geometry: KVGeometry,
+        blocks_per_chunk: int,
+        buffer: SlotBuffer,
+        tp_rank: int,
+    ) -> None:
+        if blocks_per_chunk < 1:
+            raise ConfigError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
+        self.bpc = blocks_per_chunk
+        self.num_layers = int(geometry.num_layers)
+        two, block_size, all_heads, head_dim = (int(x) for x in geometry.page_shape)
+        head_start, heads = _head_slice(geometry, tp_rank)
+        dtype = geometry.torch_dtype
+        self.dtype = dtype
+        page = (two, block_size, heads, head_dim)
+
+        if isinstance(device_kv, torch.Tensor):
+            self.cross_layer = True
+            tensors = [device_kv]
+            expected = ("num_blocks", self.num_layers, *page)
+        else:
+            self.cross_layer = False
+            tensors = list(device_kv)
+            if len(tensors) != self.num_layers:
+                raise ConfigError(
+                    f"device_kv has {len(tensors)} per-layer tensors, geometry has {self.num_layers} layers"
+                )
+            expected = ("num_blocks", *page)
+        if not tensors:
+            raise ConfigError("device_kv is empty")
+        num_blocks = int(tensors[0].shape[0]) if tensors[0].dim() > 0 else 0
+        device = tensors[0].device
+        for idx, t in enumerate(tensors):
+            where = "device_kv" if self.cross_layer else f"device_kv[{idx}]"
+            if tuple(t.shape[1:]) != tuple(expected[1:]) or t.dim() != len(expected):
+                raise ConfigError(
+                    f"{where} has shape {tuple(t.shape)}, expected {expected} "
+                    f"(layers, K/V, block_size, this rank's kv heads, head_dim)"
+                )
+            if t.shape[0] != num_blocks:
+                raise ConfigError(f"{where} has {t.shape[0]} blocks, device_kv[0] has {num_blocks}")
+            if t.dtype != dtype:
+                raise ConfigError(f"{where} has dtype {t.dtype}, geometry says {dtype}")
+            if t.device != device:
+                raise ConfigError(f"{where} is on {t.device}, device_kv[0] is on {device}")
+        if num_blocks < 1:
+            raise ConfigError("device_kv has no blocks")
+        self.device = device
+        self.num_blocks = num_blocks
+        self.device_kv = tensors
+
+        page_bytes = int(geometry.page_bytes)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if page_bytes != two * block_size * all_heads * head_dim * itemsize:
+            raise ConfigError(f"geometry.page_bytes {page_bytes} does not match page_shape × itemsize")
+        self.chunk_bytes = blocks_per_chunk * self.num_layers * page_bytes
+        if buffer.slot_bytes < self.chunk_bytes:
+            raise ConfigError(
+                f"host slot of {buffer.slot_bytes} bytes cannot hold a chunk of {self.chunk_bytes} bytes"
+            )
+        self.buffer = buffer
+        self.num_slots = buffer.num_slots
+        # The whole host buffer as [num_slots, bpc, layers, 2, block_size, all_heads, head_dim]
+        # (slot stride = slot_bytes, so padding is skipped), narrowed to this rank's heads.
+        host = buffer.tensor
+        if host.device.type != "cpu":  # pragma: no cover - SlotBuffer always lives on the host
+            raise ConfigError("host buffer must be CPU memory")
+        elems_per_slot = buffer.slot_bytes // itemsize
+        full = host.view(-1).view(dtype)
+        shape = (buffer.num_slots, blocks_per_chunk, self.num_layers, two, block_size, all_heads, head_dim)
+        strides = [0] * len(shape)
+        acc = 1
+        for dim in range(len(shape) - 1, 0, -1):
+            strides[dim] = acc
+            acc *= shape[dim]
+        strides[0] = elems_per_slot
+        self.host = full.as_strided(shape, strides)[..., head_start : head_start + heads, :]
+        # Bytes this rank moves per chunk (its head share of every page).
+        self.rank_chunk_bytes = blocks_per_chunk * self.num_layers * two * block_size * heads * head_dim * itemsize
+
+    def validate(self, job: CopyJob) -> str | None:
+        """Why ``job`` cannot run, or ``None`` when it is well formed."""
+        if job.direction not in ("to_host", "to_device"):
+            return f"unknown direction {job.direction!r}"
+        if len(job.block_ids) != len(job.slot_ids) * self.bpc:
+            return (
+                f"{len(job.block_ids)} block ids for {len(job.slot_ids)} slots "
+                f"(blocks_per_chunk={self.bpc})"
+            )
+        for s in job.slot_ids:
+            if not 0 <= s < self.num_slots:
+                return f"slot id {s} out of range [0, {self.num_slots})"
+        for b in job.block_ids:
+            if not 0 <= b < self.num_blocks:
+                return f"block id {b} out of range [0, {self.num_blocks})"
+        return None
+
+    def pairs(
+        self,
+        job: CopyJob,
+        host: Any = None,
+        device_kv: Sequence[Any] | None = None,
+        *,
+        block_at_a_time: bool = False,
+    ) -> Iterator[tuple[Any, Any]]:
+        """``(host_view, device_view)`` pairs covering the job, in chunk order.
+
+        ``host``/``device_kv`` default to the torch views; the CPU engine passes numpy byte views
+        of the same memory (indexed identically), which are far cheaper to slice.
+        ``block_at_a_time`` splits per-layer runs into single blocks, so that (at TP 1) every
+        host view is contiguous: a run of pages of one layer is strided in the host slot, and
+        torch would stage a strided device↔host copy through a pageable temporary.
+        """
+        host = self.host if host is None else host
+        device_kv = self.device_kv if device_kv is None else device_kv
+        bpc = self.bpc
+        block_ids = job.block_ids
+        for i, slot in enumerate(job.slot_ids):
+            host_chunk = host[slot]
+            blocks = block_ids[i * bpc : (i + 1) * bpc]
+            for first, start, n in _runs(blocks):
+                host_run = host_chunk[first : first + n]
+                if self.cross_layer:
+                    yield host_run, device_kv[0][start : start + n]
+                elif block_at_a_time and n > 1:
+                    for offset in range(n):
+                        for layer, dev in enumerate(device_kv):
+                            yield host_run[offset : offset + 1, layer], dev[start + offset : start + offset + 1]
+                else:
+                    for layer, dev in enumerate(device_kv):
+                        yield host_run[:, layer], dev[start : start + n]
+
+
+def _first_tensor(device_kv: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    if isinstance(device_kv, torch.Tensor):
+        return device_kv
+    for tensor in device_kv:
+        return tensor
+    raise ConfigError("device_kv is empty")
+
+
+def _runs(blocks: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+    """(index in chunk, first device block, length) of each run of consecutive device blocks."""
+    n = len(blocks)
+    i = 0
+    while i < n:
+        j = i + 1
+        while j < n and blocks[j] == blocks[j - 1] + 1:
+            j += 1
+        yield i, int(blocks[i]), j - i
+        i = j
+
+
+# --------------------------------------------------------------------------------------------
+# The contract
+# --------------------------------------------------------------------------------------------
+
+
+class CopyEngine(abc.ABC):
+    """Asynchronous device ↔ host chunk copier (one anyio task group).
+
+    * :meth:`submit` never blocks and never raises for a bad or refused job: a malformed job, a
+      full queue (``max_queued_jobs``) or a closed engine produce an immediate failed result.
+    * :meth:`get_finished` drains the results collected so far; it never waits and returns each
+      result exactly once.
+    * The wakeup callback (:meth:`set_wakeup`) is called from the loop thread whenever a result
+      becomes available.
+    * An engine that is constructed must be closed with :meth:`aclose` (run or not).
+    * :meth:`run` opens the task group, reports ``task_status.started()`` and returns after
+      :meth:`aclose`. :meth:`aclose` stops accepting jobs, lets copies already issued finish (a
+      copy in flight cannot be recalled and its result is truthful), fails every job still
+      queued with ``error="closed"``, and returns within :data:`CLOSE_TIMEOUT_S`.
+    """
+
+    def __init__(
+        self,
+        device_kv: torch.Tensor | Sequence[torch.Tensor],
+        geometry: KVGeometry,
+        blocks_per_chunk: int,
+        buffer: SlotBuffer,
+        tp_rank: int = 0,
+        *,
+        max_queued_jobs: int = 1024,
+    ) -> None:
+        if max_queued_jobs < 1:
+            raise ConfigError(f"max_queued_jobs must be >= 1, got {max_queued_jobs}")
+        self._plan = _CopyPlan(device_kv, geometry, blocks_per_chunk, buffer, tp_rank)
+        # Opened last, so a constructor that raises leaves nothing to close. Each queued item carries what the engine prepared at submit time (see _on_submit).
+        self._send, self._receive = anyio.create_memory_object_stream[tuple[CopyJob, Any]](max_queued_jobs)
+        self._results: collections.deque[CopyResult] = collections.deque()
+        self._wakeup: Callable[[], None] | None = None
+        self._closed = False
+        self._cancel_scope: anyio.CancelScope | None = None
+        self._stopped: anyio.Event | None = None
+
+    # --- manager-facing (sync, loop thread) ---------------------------------------------------
+    @property
+    def chunk_bytes(self) -> int:
+        """Bytes one chunk occupies in a host slot (all ranks together)."""
+        return self._plan.chunk_bytes
+
+    def submit(self, job: CopyJob) -> None:
+        """Queue ``job`` without waiting; a refused job is reported failed right away."""
+        if self._closed:
+            self._fail(job, "closed")
+            return
+        problem = self._plan.validate(job)
+        if problem is not None:
+            self._fail(job, f"invalid job: {problem}")
+            return
+        try:
+            self._send.send_nowait((job, self._on_submit(job)))
+        except anyio.WouldBlock:
+            self._fail(job, "queue_full")
+
+    def get_finished(self) -> list[CopyResult]:
+        """Every result not yet returned (possibly none); never waits."""
+        out = list(self._results)
+        self._results.clear()
+        return out
+
+    def set_wakeup(self, callback: Callable[[], None] | None) -> None:
+        self._wakeup = callback
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Process jobs until :meth:`aclose`; see the class docstring."""
+        if self._stopped is not None:
+            raise RuntimeError("CopyEngine.run() may be called only once")
+        self._stopped = anyio.Event()
+        try:
+            with anyio.CancelScope() as scope:
+                self._cancel_scope = scope
+                if self._closed:
+                    scope.cancel()
+                async with anyio.create_task_group() as tg:
+                    await self._start_workers(tg)
+                    task_status.started()
+        finally:
+            self._cancel_scope = None
+            with anyio.CancelScope(shield=True):
+                await self._finish_in_flight()
+            self._fail_queued()
+            self._stopped.set()
+
+    async def aclose(self) -> None:
+        """Stop the engine; idempotent. Queued jobs are failed, issued copies finish."""
+        self._closed = True
+        if self._cancel_scope is not None:
+            self._cancel_scope.cancel()
+        if self._stopped is not None:
+            with anyio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
+                await self._stopped.wait()
+        self._fail_queued()
+        self._send.close()
+        self._receive.close()
+
+    # --- for subclasses -----------------------------------------------------------------------
+    def _on_submit(self, job: CopyJob) -> Any:
+        """Hook: capture submit-time state for ``job`` (runs on the loop thread)."""
+        return None
+
+    async def _finish_in_flight(self) -> None:
+        """Hook: after the workers stopped, report jobs already handed to the hardware."""
+
+    @abc.abstractmethod
+    async def _start_workers(self, tg: anyio.abc.TaskGroup) -> None:
+        """Start the worker tasks that consume ``self._receive``."""
+
+    def _report(self, result: CopyResult) -> None:
+        self._results.append(result)
+        if self._wakeup is not None:
+            self._wakeup()
+
+    def _fail(self, job: CopyJob, error: str, seconds: float = 0.0) -> None:
+        self._report(CopyResult(job.job_id, False, 0, seconds, error))
+
+    def _fail_queued(self) -> None:
+        while True:
+            try:
+                job, _ = self._receive.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                return
+            self._fail(job, "closed")
+
+
+# --------------------------------------------------------------------------------------------
+# CPU engine
+# --------------------------------------------------------------------------------------------
+
+
+def _copy_pairs(plan: _CopyPlan, job: CopyJob, non_blocking: bool = False) -> int:
+    """Issue every copy of ``job`` with ``torch.Tensor.copy_``; returns the bytes this rank moves."""
+    to_host = job.direction == "to_host"
+    for host_view, device_view in plan.pairs(job, block_at_a_time=non_blocking):
+        if to_host:
+            host_view.copy_(device_view, non_blocking=non_blocking)
+        else:
+            device_view.copy_(host_view, non_blocking=non_blocking)
+    return plan.rank_chunk_bytes * len(job.slot_ids)
+
+
+def _copy_pairs_numpy(plan: _CopyPlan, job: CopyJob, host: np.ndarray, device_kv: Sequence[np.ndarray]) -> int:
+    """CPU variant of :func:`_copy_pairs`: ``numpy.copyto`` between byte views of the same memory.
+
+    ``numpy.copyto`` releases the GIL and runs on the calling thread only (torch's parallel copy
+    measured slower on busy hosts), and slicing numpy views costs a fraction of torch's, which
+    matters for the many small page copies of the per-layer layout.
+    """
+    to_host = job.direction == "to_host"
+    for host_view, device_view in plan.pairs(job, host, device_kv):
+        if to_host:
+            np.copyto(host_view, device_view)
+        else:
+            np.copyto(device_view, host_view)
+    return plan.rank_chunk_bytes * len(job.slot_ids)
+
+
+class CpuCopyEngine(CopyEngine):
+    """Copy engine whose "device" is CPU memory (tests, CPU-only serving, benchmarks).
+
+    Each job runs in a worker thread through ``anyio.to_thread.run_sync`` with the engine's own
+    :class:`anyio.CapacityLimiter` (``max_concurrent_jobs`` threads). Copies go straight from the
+    device tensors into slot views (no staging copy) with ``numpy.copyto``; runs of consecutive
+    device blocks are one copy each (one per layer with the per-layer layout).
+    """
+
+    def __init__(
+        self,
+        device_kv: torch.Tensor | Sequence[torch.Tensor],
+        geometry: KVGeometry,
+        blocks_per_chunk: int,
+        buffer: SlotBuffer,
+        tp_rank: int = 0,
+        *,
+        max_queued_jobs: int = 1024,
+        max_concurrent_jobs: int = 2,
+    ) -> None:
+        device = _first_tensor(device_kv).device
+        if device.type != "cpu":
+            raise ConfigError(f"CpuCopyEngine needs CPU tensors, device_kv is on {device}")
+        if max_concurrent_jobs < 1:
+            raise ConfigError(f"max_concurrent_jobs must be >= 1, got {max_concurrent_jobs}")
+        super().__init__(device_kv, geometry, blocks_per_chunk, buffer, tp_rank, max_queued_jobs=max_queued_jobs)
+        self._concurrency = max_concurrent_jobs
+        self._limiter = anyio.CapacityLimiter(max_concurrent_jobs)
+        # Byte views (last dim = head_dim * itemsize) of the same memory; never copies.
+        self._host_bytes = self._plan.host.view(torch.uint8).numpy()
+        self._device_bytes = [t.view(torch.uint8).numpy() for t in self._plan.device_kv]
+
+    async def _start_workers(self, tg: anyio.abc.TaskGroup) -> None:
+        for _ in range(self._concurrency):
+            tg.start_soon(self._worker)
+
+    async def _worker(self) -> None:
+        async for job, _ in self._receive:
+            start = time.monotonic()
+            # Shielded: a copy handed to a thread cannot be recalled, so wait for it and report
+            # what really happened rather than a failure for bytes that did move.
+            with anyio.CancelScope(shield=True):
+                try:
+                    nbytes = await anyio.to_thread.run_sync(
+                        _copy_pairs_numpy, self._plan, job, self._host_bytes, self._device_bytes,
+                        limiter=self._limiter,
+                    )
+                except Exception as exc:  # a failed copy is a failed job, never a crashed engine
+                    log.warning("copy job %d failed: %r", job.job_id, exc)
+                    self._fail(job, f"copy_error: {type(exc).__name__}", time.monotonic() - start)
+                    continue
+            self._report(CopyResult(job.job_id, True, nbytes, time.monotonic() - start))
+
+
+# --------------------------------------------------------------------------------------------
+# CUDA engine
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _IssuedJob:
+    job: CopyJob
+    done: Any  # torch.cuda.Event recorded after the job's last copy
+    nbytes: int
+    start: float
+
+
+class CudaCopyEngine(CopyEngine):
+    """Copy engine for CUDA device tensors and a pinned host buffer.
+
+    Copies are issued (``non_blocking=True``) on a dedicated stream per direction, after the
+    stream waits for an event recorded on the submitter's current stream (so a store reads the
+    blocks only after the compute that wrote them). One ``torch.cuda.Event`` is recorded per job;
+    a poller task checks ``event.query()`` with a short ``anyio.sleep`` backoff and reports jobs as
+    they complete. Issuing happens in a worker thread (own limiter of 1, so jobs enter their
+    stream in submission order) to keep Python launch overhead off the loop.
+
+    Copy granularity: cross-layer at TP 1 copies each run of consecutive blocks in one DMA;
+    per-layer copies one page (block × layer) at a time so both sides stay contiguous. At TP > 1
+    a rank's heads are strided inside each host page, which torch stages through a temporary
+    (correct, but the issuing thread waits for that copy); a 2-D DMA would remove the staging.
+    """
+
+    POLL_MIN_S = 50e-6
+    POLL_MAX_S = 200e-6
+
+    def __init__(
+        self,
+        device_kv: torch.Tensor | Sequence[torch.Tensor],
+        geometry: KVGeometry,
+        blocks_per_chunk: int,
+        buffer: SlotBuffer,
+        tp_rank: int = 0,
+        *,
+        max_queued_jobs: int = 1024,
+    ) -> None:
+        # Checked before the base class opens its job channel, so a refused engine owns nothing.
+        if not torch.cuda.is_available():
+            raise ConfigError("CudaCopyEngine needs CUDA; torch.cuda.is_available() is False")
+        device = _first_tensor(device_kv).device
+        if device.type != "cuda":
+            raise ConfigError(f"CudaCopyEngine needs CUDA tensors, device_kv is on {device}")
+        if not buffer.pinned:
+            raise ConfigError("CudaCopyEngine needs a pinned host buffer (SlotBuffer(pin_memory=True))")
+        super().__init__(device_kv, geometry, blocks_per_chunk, buffer, tp_rank, max_queued_jobs=max_queued_jobs)
+        self._cuda_device = self._plan.device
+        # Every CUDA object is created here, after the availability check.
+        self._streams = {
+            "to_host": torch.cuda.Stream(device=self._cuda_device),
+            "to_device": torch.cuda.Stream(device=self._cuda_device),
+        }
+        self._issue_limiter = anyio.CapacityLimiter(1)
+        self._issued: collections.deque[_IssuedJob] = collections.deque()
+        self._issued_event = anyio.Event()
+
+    def _on_submit(self, job: CopyJob) -> Any:
+        # Recorded on the submitter's current stream now, so the copy stream waits for work the
+        # caller already enqueued (the compute that wrote, or last read, these blocks).
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self._cuda_device))
+        return ready
+
+    async def _start_workers(self, tg: anyio.abc.TaskGroup) -> None:
+        tg.start_soon(self._issuer)
+        tg.start_soon(self._poller)
+
+    def _issue(self, job: CopyJob, ready: Any) -> _IssuedJob:
+        """Enqueue the job's copies and its completion event (worker thread; never waits)."""
+        stream = self._streams[job.direction]
+        start = time.monotonic()
+        with torch.cuda.device(self._cuda_device), torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            nbytes = _copy_pairs(self._plan, job, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return _IssuedJob(job, done, nbytes, start)
+
+    async def _issuer(self) -> None:
+        async for job, ready in self._receive:
+            # Shielded: once handed to the thread the copies may be on the stream; keep the
+            # job so its completion is observed and reported truthfully.
+            with anyio.CancelScope(shield=True):
+                try:
+                    issued = await anyio.to_thread.run_sync(self._issue, job, ready, limiter=self._issue_limiter)
+                except Exception as exc:
+                    log.warning("copy job %d failed to issue: %r", job.job_id, exc)
+                    self._fail(job, f"copy_error: {type(exc).__name__}")
+                    continue
+            self._issued.append(issued)
+            self._issued_event.set()
+
+    async def _poller(self) -> None:
+        delay = self.POLL_MIN_S
+        while True:
+            if not self._issued:
+                self._issued_event = anyio.Event()
+                await self._issued_event.wait()
+                delay = self.POLL_MIN_S
+            if self._reap():
+                delay = self.POLL_MIN_S
+            else:
+                delay = min(delay * 2, self.POLL_MAX_S)
+            await anyio.sleep(delay)
+
+    async def _finish_in_flight(self) -> None:
+        # Copies already on a stream finish on their own; wait for them (bounded, well inside
+        # aclose's timeout) so the caller learns the truth before it reuses slots or blocks.
+        with anyio.move_on_after(CLOSE_TIMEOUT_S / 2):
+            while self._issued:
+                self._reap()
+                if self._issued:
+                    await anyio.sleep(self.POLL_MAX_S)
+        while self._issued:
+            issued = self._issued.popleft()
+            self._fail(issued.job, "closed", time.monotonic() - issued.start)
+
+    def _reap(self) -> bool:
+        """Report every issued job whose completion event has fired; True if any had."""
+        finished = [issued for issued in self._issued if issued.done.query()]
+        for issued in finished:
+            self._issued.remove(issued)
+            self._report(CopyResult(issued.job.job_id, True, issued.nbytes, time.monotonic() - issued.start))
+        return bool(finished)
+
+
+def make_copy_engine(
+    device_kv: torch.Tensor | Sequence[torch.Tensor],
+    geometry: KVGeometry,
+    blocks_per_chunk: int,
+    buffer: SlotBuffer,
+    tp_rank: int = 0,
+    **options: Any,
+) -> CopyEngine:
+    """The CUDA engine when ``device_kv`` lives on a CUDA device, the CPU engine otherwise."""
+    if _first_tensor(device_kv).device.type == "cuda":
+        return CudaCopyEngine(device_kv, geometry, blocks_per_chunk, buffer, tp_rank, **options)
+    return CpuCopyEngine(device_kv, geometry, blocks_per_chunk, buffer, tp_rank, **options)

@@ -1,0 +1,349 @@
+"""Specification of the copy engines (``kvtier/tiers/copy_engine.py``).
+
+The CPU engine is exercised everywhere; the tests marked ``gpu`` mirror the round trips on CUDA
+and are skipped by conftest without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import anyio
+import pytest
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.layout import KVGeometry
+from kvtier.tiers.copy_engine import (
+    CopyJob,
+    CopyResult,
+    CpuCopyEngine,
+    CudaCopyEngine,
+    _copy_pairs,
+    _copy_pairs_numpy,
+    _CopyPlan,
+    make_copy_engine,
+)
+from kvtier.tiers.slots import SlotBuffer
+
+NUM_BLOCKS = 16
+
+
+def geometry(dtype: str = "bfloat16", tp_size: int = 1, num_layers: int = 3) -> KVGeometry:
+    return KVGeometry(
+        model_name="test-model", num_layers=num_layers, num_kv_heads=4, head_dim=8,
+        dtype=dtype, block_size=4, tp_size=tp_size,
+    )
+
+
+def random_kv(
+    geo: KVGeometry, cross_layer: bool, device: str = "cpu", seed: int = 0
+) -> torch.Tensor | list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    heads = geo.num_kv_heads // geo.tp_size
+    page = (2, geo.block_size, heads, geo.head_dim)
+    if cross_layer:
+        t = torch.randn((NUM_BLOCKS, geo.num_layers, *page), generator=gen).to(geo.torch_dtype)
+        return t.to(device)
+    return [
+        torch.randn((NUM_BLOCKS, *page), generator=gen).to(geo.torch_dtype).to(device)
+        for _ in range(geo.num_layers)
+    ]
+
+
+def block(kv: torch.Tensor | Sequence[torch.Tensor], b: int) -> torch.Tensor:
+    """All layers of device block ``b`` as one [layers, 2, bs, heads, dim] tensor (on CPU)."""
+    if isinstance(kv, torch.Tensor):
+        return kv[b].cpu()
+    return torch.stack([layer[b] for layer in kv]).cpu()
+
+
+async def run_jobs(engine, jobs: list[CopyJob], expect: int | None = None) -> list[CopyResult]:
+    """Start ``engine``, submit ``jobs``, wait (via the wakeup callback) for ``expect`` results
+    (default: one per job), then close the engine."""
+    expect = len(jobs) if expect is None else expect
+    results: list[CopyResult] = []
+    changed = anyio.Event()
+
+    def wake() -> None:
+        changed.set()
+
+    engine.set_wakeup(wake)
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        for job in jobs:
+            engine.submit(job)
+        with anyio.fail_after(10):
+            while len(results) < expect:
+                await changed.wait()
+                changed = anyio.Event()
+                results.extend(engine.get_finished())
+        await engine.aclose()
+    return results
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("cross_layer", [True, False], ids=["cross_layer", "per_layer"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("bpc", [1, 4])
+async def test_store_then_load_into_other_blocks_round_trips_bytes(cross_layer: bool, dtype: str, bpc: int) -> None:
+    geo = geometry(dtype)
+    src = random_kv(geo, cross_layer, seed=1)
+    buffer = SlotBuffer(4, geo.slot_bytes(bpc), pin_memory=False)
+    engine = CpuCopyEngine(src, geo, bpc, buffer)
+    # Two chunks; the second uses non-consecutive blocks so both the run and the scattered path run.
+    store_blocks = list(range(bpc)) + [NUM_BLOCKS - 1 - 2 * i for i in range(bpc)]
+    results = await run_jobs(engine, [CopyJob(1, "to_host", [2, 0], store_blocks)])
+    assert results == [CopyResult(1, True, 2 * geo.chunk_bytes(bpc), results[0].seconds, None)]
+
+    dst = random_kv(geo, cross_layer, seed=2)
+    load_blocks = [NUM_BLOCKS - 1 - b for b in store_blocks]  # disjoint from the stored ones where it matters
+    loader = CpuCopyEngine(dst, geo, bpc, buffer)
+    [loaded] = await run_jobs(loader, [CopyJob(7, "to_device", [2, 0], load_blocks)])
+    assert loaded.success and loaded.job_id == 7
+    for s, d in zip(store_blocks, load_blocks):
+        assert torch.equal(block(dst, d).view(torch.int16), block(src, s).view(torch.int16))
+    buffer.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("cross_layer", [True, False], ids=["cross_layer", "per_layer"])
+async def test_host_slot_holds_canonical_block_major_layout(cross_layer: bool) -> None:
+    geo = geometry()
+    bpc = 2
+    src = random_kv(geo, cross_layer)
+    buffer = SlotBuffer(2, geo.slot_bytes(bpc), pin_memory=False)
+    await run_jobs(CpuCopyEngine(src, geo, bpc, buffer), [CopyJob(0, "to_host", [1], [5, 3])])
+    slot = buffer.tensor[1]
+    for b, device_block in enumerate([5, 3]):
+        for layer in range(geo.num_layers):
+            off = geo.page_offset(b, layer)
+            page = slot[off : off + geo.page_bytes].view(geo.torch_dtype).view(geo.page_shape)
+            assert torch.equal(page, block(src, device_block)[layer])
+    # Padding after the payload is untouched (zero).
+    assert not slot[geo.chunk_bytes(bpc) :].any()
+    buffer.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("cross_layer", [True, False], ids=["cross_layer", "per_layer"])
+async def test_two_tp_ranks_fill_one_slot_with_their_head_slices(cross_layer: bool) -> None:
+    geo = geometry(tp_size=2)
+    full = geometry(tp_size=1)
+    bpc = 2
+    ranks = [random_kv(geo, cross_layer, seed=10 + r) for r in range(2)]
+    buffer = SlotBuffer(3, geo.slot_bytes(bpc), pin_memory=False)
+    for rank, kv in enumerate(ranks):
+        results = await run_jobs(CpuCopyEngine(kv, geo, bpc, buffer, tp_rank=rank), [CopyJob(rank, "to_host", [2], [4, 9])])
+        assert results[0].success and results[0].nbytes == geo.chunk_bytes(bpc) // 2
+
+    # The slot equals what one TP=1 rank holding all heads would have written.
+    joined = [
+        torch.cat([block(ranks[0], b), block(ranks[1], b)], dim=-2) for b in range(NUM_BLOCKS)
+    ]
+    whole = torch.stack(joined)
+    reference = SlotBuffer(3, full.slot_bytes(bpc), pin_memory=False)
+    await run_jobs(CpuCopyEngine(whole, full, bpc, reference), [CopyJob(0, "to_host", [2], [4, 9])])
+    assert torch.equal(buffer.tensor[2], reference.tensor[2])
+
+    # And each rank loads back exactly its own heads.
+    for rank in range(2):
+        dst = random_kv(geo, cross_layer, seed=99)
+        await run_jobs(CpuCopyEngine(dst, geo, bpc, buffer, tp_rank=rank), [CopyJob(0, "to_device", [2], [0, 1])])
+        assert torch.equal(block(dst, 0).view(torch.int16), block(ranks[rank], 4).view(torch.int16))
+        assert torch.equal(block(dst, 1).view(torch.int16), block(ranks[rank], 9).view(torch.int16))
+    buffer.close()
+    reference.close()
+
+
+def test_device_kv_of_wrong_shape_is_a_config_error() -> None:
+    geo = geometry()
+    buffer = SlotBuffer(1, geo.slot_bytes(1), pin_memory=False)
+    good = random_kv(geo, cross_layer=False)
+    with pytest.raises(ConfigError, match="per-layer tensors"):
+        CpuCopyEngine(good[:-1], geo, 1, buffer)
+    with pytest.raises(ConfigError, match="shape"):
+        CpuCopyEngine([t[:, :1] for t in good], geo, 1, buffer)
+    with pytest.raises(ConfigError, match="dtype"):
+        CpuCopyEngine([t.float() for t in good], geo, 1, buffer)
+    with pytest.raises(ConfigError, match="blocks"):
+        CpuCopyEngine([good[0][:3], *good[1:]], geo, 1, buffer)
+    with pytest.raises(ConfigError, match="shape"):
+        CpuCopyEngine(random_kv(geometry(tp_size=2), cross_layer=True), geo, 1, buffer)
+    with pytest.raises(ConfigError, match="cannot hold"):
+        CpuCopyEngine(good, geo, 4, buffer)
+    with pytest.raises(ConfigError, match="tp_rank"):
+        CpuCopyEngine(good, geo, 1, buffer, tp_rank=1)
+    buffer.close()
+
+
+@pytest.mark.anyio
+async def test_malformed_job_fails_immediately_and_exactly_once() -> None:
+    geo = geometry()
+    buffer = SlotBuffer(2, geo.slot_bytes(2), pin_memory=False)
+    engine = CpuCopyEngine(random_kv(geo, True), geo, 2, buffer)
+    engine.submit(CopyJob(1, "to_host", [0], [1]))  # one block for a 2-block chunk
+    engine.submit(CopyJob(2, "to_host", [5], [1, 2]))  # slot out of range
+    engine.submit(CopyJob(3, "to_device", [0], [1, NUM_BLOCKS]))  # block out of range
+    finished = engine.get_finished()
+    assert [(r.job_id, r.success) for r in finished] == [(1, False), (2, False), (3, False)]
+    assert all(r.error and r.error.startswith("invalid job") for r in finished)
+    assert engine.get_finished() == []
+    await engine.aclose()
+    buffer.close()
+
+
+@pytest.mark.anyio
+async def test_full_queue_refuses_the_job_with_an_immediate_failed_result() -> None:
+    geo = geometry()
+    buffer = SlotBuffer(2, geo.slot_bytes(1), pin_memory=False)
+    engine = CpuCopyEngine(random_kv(geo, True), geo, 1, buffer, max_queued_jobs=2)
+    wakeups = 0
+
+    def wake() -> None:
+        nonlocal wakeups
+        wakeups += 1
+
+    engine.set_wakeup(wake)
+    for job_id in range(3):  # not running yet: nothing drains the queue
+        engine.submit(CopyJob(job_id, "to_host", [0], [job_id]))
+    assert engine.get_finished() == [CopyResult(2, False, 0, 0.0, "queue_full")]
+    assert wakeups == 1
+    # The two queued jobs still run once the engine starts.
+    results = await run_jobs(engine, [], expect=2)
+    assert sorted((r.job_id, r.success) for r in results) == [(0, True), (1, True)]
+    buffer.close()
+
+
+@pytest.mark.anyio
+async def test_queued_jobs_run_when_the_engine_starts_later() -> None:
+    geo = geometry()
+    buffer = SlotBuffer(2, geo.slot_bytes(1), pin_memory=False)
+    engine = CpuCopyEngine(random_kv(geo, True), geo, 1, buffer)
+    engine.submit(CopyJob(0, "to_host", [0], [3]))
+    engine.submit(CopyJob(1, "to_host", [1], [4]))
+    results = await run_jobs(engine, [CopyJob(2, "to_device", [0], [5])], expect=3)
+    assert sorted((r.job_id, r.success) for r in results) == [(0, True), (1, True), (2, True)]
+    buffer.close()
+
+
+@pytest.mark.anyio
+async def test_aclose_with_jobs_in_flight_reports_every_job_exactly_once() -> None:
+    geo = geometry()
+    buffer = SlotBuffer(8, geo.slot_bytes(1), pin_memory=False)
+    engine = CpuCopyEngine(random_kv(geo, True), geo, 1, buffer, max_concurrent_jobs=1)
+    async with anyio.create_task_group() as tg:
+        await tg.start(engine.run)
+        for job_id in range(8):
+            engine.submit(CopyJob(job_id, "to_host", [job_id], [job_id]))
+        await anyio.sleep(0)  # let the worker pick up (at most) one job
+        with anyio.fail_after(5):
+            await engine.aclose()
+    results = engine.get_finished()
+    assert sorted(r.job_id for r in results) == list(range(8))
+    assert any(r.error == "closed" for r in results)
+    assert all(r.success or r.error == "closed" for r in results)
+    # After close, submit fails at once.
+    engine.submit(CopyJob(99, "to_host", [0], [0]))
+    assert engine.get_finished() == [CopyResult(99, False, 0, 0.0, "closed")]
+    buffer.close()
+
+
+@pytest.mark.anyio
+async def test_aclose_before_run_fails_queued_jobs() -> None:
+    geo = geometry()
+    buffer = SlotBuffer(2, geo.slot_bytes(1), pin_memory=False)
+    engine = CpuCopyEngine(random_kv(geo, True), geo, 1, buffer)
+    engine.submit(CopyJob(5, "to_device", [1], [2]))
+    await engine.aclose()
+    assert engine.get_finished() == [CopyResult(5, False, 0, 0.0, "closed")]
+    buffer.close()
+
+
+@pytest.mark.anyio
+async def test_make_copy_engine_picks_the_cpu_engine_for_cpu_tensors() -> None:
+    geo = geometry()
+    buffer = SlotBuffer(1, geo.slot_bytes(1), pin_memory=False)
+    for cross_layer in (True, False):
+        engine = make_copy_engine(random_kv(geo, cross_layer), geo, 1, buffer)
+        assert type(engine) is CpuCopyEngine
+        await engine.aclose()
+    buffer.close()
+
+
+def test_cuda_engine_refuses_cpu_tensors() -> None:
+    geo = geometry()
+    buffer = SlotBuffer(1, geo.slot_bytes(1), pin_memory=False)
+    with pytest.raises(ConfigError):
+        CudaCopyEngine(random_kv(geo, True), geo, 1, buffer)
+    buffer.close()
+
+
+@pytest.mark.parametrize("cross_layer", [True, False], ids=["cross_layer", "per_layer"])
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_torch_copy_path_of_the_cuda_engine_matches_the_cpu_engine(cross_layer: bool, tp_size: int) -> None:
+    """The CUDA engine's copy plan (torch ``copy_``, one block at a time) runs on CPU tensors too."""
+    geo = geometry(tp_size=tp_size)
+    bpc = 4
+    kv = random_kv(geo, cross_layer, seed=5)
+    blocks = [3, 4, 5, 9, 0, 1, 2, 15]
+    buffers = [SlotBuffer(3, geo.slot_bytes(bpc), pin_memory=False) for _ in range(2)]
+    rank = tp_size - 1
+    numpy_plan = _CopyPlan(kv, geo, bpc, buffers[0], rank)
+    host_bytes = numpy_plan.host.view(torch.uint8).numpy()
+    device_bytes = [t.view(torch.uint8).numpy() for t in numpy_plan.device_kv]
+    _copy_pairs_numpy(numpy_plan, CopyJob(0, "to_host", [2, 0], blocks), host_bytes, device_bytes)
+    _copy_pairs(_CopyPlan(kv, geo, bpc, buffers[1], rank), CopyJob(0, "to_host", [2, 0], blocks), non_blocking=True)
+    assert torch.equal(buffers[0].tensor, buffers[1].tensor)
+    dst = random_kv(geo, cross_layer, seed=6)
+    load_plan = _CopyPlan(dst, geo, bpc, buffers[1], rank)
+    _copy_pairs(load_plan, CopyJob(1, "to_device", [2, 0], blocks), non_blocking=True)
+    for b in blocks:
+        assert torch.equal(block(dst, b).view(torch.int16), block(kv, b).view(torch.int16))
+    for buffer in buffers:
+        buffer.close()
+
+
+# --- CUDA (skipped without a GPU) ------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.anyio
+@pytest.mark.parametrize("cross_layer", [True, False], ids=["cross_layer", "per_layer"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("bpc", [1, 4])
+async def test_cuda_store_then_load_round_trips_bytes(cross_layer: bool, dtype: str, bpc: int) -> None:
+    geo = geometry(dtype)
+    src = random_kv(geo, cross_layer, device="cuda", seed=1)
+    buffer = SlotBuffer(4, geo.slot_bytes(bpc), pin_memory=True)
+    engine = make_copy_engine(src, geo, bpc, buffer)
+    assert isinstance(engine, CudaCopyEngine)
+    store_blocks = list(range(bpc)) + [NUM_BLOCKS - 1 - 2 * i for i in range(bpc)]
+    [stored] = await run_jobs(engine, [CopyJob(1, "to_host", [2, 0], store_blocks)])
+    assert stored.success and stored.nbytes == 2 * geo.chunk_bytes(bpc)
+
+    dst = random_kv(geo, cross_layer, device="cuda", seed=2)
+    load_blocks = [NUM_BLOCKS - 1 - b for b in store_blocks]
+    [loaded] = await run_jobs(make_copy_engine(dst, geo, bpc, buffer), [CopyJob(2, "to_device", [2, 0], load_blocks)])
+    assert loaded.success
+    for s, d in zip(store_blocks, load_blocks):
+        assert torch.equal(block(dst, d).view(torch.int16), block(src, s).view(torch.int16))
+    buffer.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.anyio
+@pytest.mark.parametrize("cross_layer", [True, False], ids=["cross_layer", "per_layer"])
+async def test_cuda_two_tp_ranks_match_the_cpu_engine(cross_layer: bool) -> None:
+    geo = geometry(tp_size=2)
+    bpc = 2
+    cpu_buffer = SlotBuffer(2, geo.slot_bytes(bpc), pin_memory=False)
+    cuda_buffer = SlotBuffer(2, geo.slot_bytes(bpc), pin_memory=True)
+    for rank in range(2):
+        kv = random_kv(geo, cross_layer, seed=rank)
+        await run_jobs(CpuCopyEngine(kv, geo, bpc, cpu_buffer, tp_rank=rank), [CopyJob(0, "to_host", [1], [3, 7])])
+        cuda_kv = kv.cuda() if isinstance(kv, torch.Tensor) else [t.cuda() for t in kv]
+        await run_jobs(make_copy_engine(cuda_kv, geo, bpc, cuda_buffer, rank), [CopyJob(0, "to_host", [1], [3, 7])])
+    assert torch.equal(cpu_buffer.tensor[1], cuda_buffer.tensor[1])
+    cpu_buffer.close()
+    cuda_buffer.close()
