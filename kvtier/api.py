@@ -20,6 +20,7 @@ import contextlib
 import itertools
 import logging
 import math
+import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,9 @@ from kvtier.layout import KVGeometry
 from kvtier.manager import PRIMARY_LABEL, TieringManager
 from kvtier.stats import SIZE_BUCKETS, Histogram, HistogramSnapshot
 from kvtier.types import LookupResult
+
+if sys.version_info < (3, 11):  # pragma: no cover - anyio depends on the backport there
+    from exceptiongroup import BaseExceptionGroup
 
 if TYPE_CHECKING:
     import torch
@@ -318,8 +322,27 @@ class Engine:
     # ------------------------------------------------------------------ keys
     def chunk_keys(self, token_ids: Sequence[int]) -> list[bytes]:
         """Offload keys of the complete chunks of ``token_ids`` (prefix order)."""
+        return self._hashes_and_keys(token_ids)[1]
+
+    def _hashes_and_keys(self, token_ids: Sequence[int]) -> tuple[list[bytes], list[bytes]]:
         hashes = self._hasher.hash_blocks(token_ids)
-        return chunk_keys(hashes, self.blocks_per_chunk)
+        return hashes, chunk_keys(hashes, self.blocks_per_chunk)
+
+    def _remember_chunks(self, token_ids: Sequence[int], hashes: Sequence[bytes],
+                         keys: Sequence[bytes], first_chunk: int = 0) -> None:
+        """Give the event translator what self-describing events say about these chunks."""
+        if self.translator is None or not self.config.self_describing_kv_events:
+            return
+        from kvtier.events import ChunkMetadata
+
+        bpc, tokens = self.blocks_per_chunk, self.chunk_tokens
+        for i, key in enumerate(keys, start=first_chunk):
+            self.translator.remember_chunk(key, ChunkMetadata(
+                block_hashes=hashes[i * bpc : (i + 1) * bpc],
+                parent_block_hash=hashes[i * bpc - 1] if i else None,
+                token_ids=token_ids[i * tokens : (i + 1) * tokens],
+                block_size=self.geometry.block_size,
+            ))
 
     def _context(self, kind: str, params: Mapping[str, Any] | None, keys: Sequence[bytes],
                  first_chunk: int = 0) -> RequestContext:
@@ -374,7 +397,7 @@ class Engine:
 
     async def _load(self, token_ids: Sequence[int], block_ids: Sequence[int],
                     params: Mapping[str, Any] | None, num_computed_tokens: int) -> LoadOutcome:
-        keys = self.chunk_keys(token_ids)
+        hashes, keys = self._hashes_and_keys(token_ids)
         first = max(0, num_computed_tokens) // self.chunk_tokens
         ctx = self._context("load", params, keys[first:], first)
         limit = ctx.params.max_load_tokens
@@ -385,6 +408,7 @@ class Engine:
             hit_keys = await self._resolve_prefix(candidates, ctx)
             if not hit_keys:
                 return LoadOutcome(0, {})
+            self._remember_chunks(token_ids, hashes, hit_keys, first)
             self._check_blocks(block_ids, (first + len(hit_keys)) * self.blocks_per_chunk)
             slot_ids = self.manager.prepare_load(hit_keys, ctx)
             try:
@@ -446,7 +470,7 @@ class Engine:
 
     async def _store(self, token_ids: Sequence[int], block_ids: Sequence[int],
                      params: Mapping[str, Any] | None, num_prompt_tokens: int | None) -> int:
-        keys = self.chunk_keys(token_ids)
+        hashes, keys = self._hashes_and_keys(token_ids)
         ctx = self._context("store", params, keys)
         limit = len(token_ids)
         cap = ctx.params.max_offload_tokens
@@ -468,6 +492,7 @@ class Engine:
                 self._dispatch()
             if not out.keys_to_store:
                 return 0
+            self._remember_chunks(token_ids, hashes, keys)
             index = {key: i for i, key in enumerate(keys)}
             device_blocks: list[int] = []
             for key in out.keys_to_store:
@@ -586,15 +611,33 @@ async def open(  # noqa: A001 - the public name is kvtier.open
         )
     engine = Engine(engine_config, geometry, device_kv, tp_rank=tp_rank, hash_algorithm=hash_algorithm,
                     wait_timeout_s=wait_timeout_s, kv_events_enabled=events is not None)
-    async with anyio.create_task_group() as tg:
-        try:
-            await engine._start(tg, events, metrics)
-            yield engine
-        finally:
+    try:
+        async with anyio.create_task_group() as tg:
             try:
-                await engine._aclose()
+                await engine._start(tg, events, metrics)
+                yield engine
             finally:
-                tg.cancel_scope.cancel()
+                try:
+                    await engine._aclose()
+                finally:
+                    tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # The engine's task group wraps whatever crossed it (a ConfigError from a tier's start,
+        # or the caller's own exception from the ``async with`` body); give back the single
+        # exception when there is exactly one, as the caller raised or expects it.
+        raise _sole_exception(group) from None
+
+
+def _sole_exception(group: BaseExceptionGroup) -> BaseException:
+    leaves: list[BaseException] = []
+    stack: list[BaseException] = [group]
+    while stack:
+        exc = stack.pop()
+        if isinstance(exc, BaseExceptionGroup):
+            stack.extend(exc.exceptions)
+        else:
+            leaves.append(exc)
+    return leaves[0] if len(leaves) == 1 else group
 
 
 class ThreadedEngine:

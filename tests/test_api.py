@@ -182,3 +182,23 @@ def test_start_in_thread_facade_round_trip() -> None:
     finally:
         engine.close()
     engine.close()  # idempotent
+
+
+@pytest.mark.anyio
+async def test_exceptions_from_the_body_come_back_unwrapped() -> None:
+    class Boom(Exception):
+        pass
+
+    with pytest.raises(Boom):
+        async with kvtier.open({"cpu_bytes_to_use": 1 << 20}, geometry(), device_kv()):
+            raise Boom
+
+
+@pytest.mark.anyio
+async def test_tier_start_failure_is_a_plain_config_error(tmp_path) -> None:  # noqa: ANN001
+    bad_root = tmp_path / "file"
+    bad_root.write_text("not a directory")
+    tiers = [{"type": "fs", "root_dir": str(bad_root)}]
+    with pytest.raises(ConfigError):
+        async with kvtier.open(tiering_config(tiers=tiers), geometry(), device_kv()):
+            pass  # pragma: no cover

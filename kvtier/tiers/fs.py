@@ -385,9 +385,16 @@ class FileSystemTier(SecondaryTier):
                 logger.warning("tier %s: O_DIRECT is not available under %s; using buffered I/O",
                                self.label, self.namespace.blocks_dir)
             scan = await self._pool.run(IOQueue.READ, self._scan, self.stale_tmp_grace_s)
-        except BaseException:
+        except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await self._pool.aclose()
+            if isinstance(exc, OSError):
+                # An unusable root (not a directory, read-only, no permission) is a configuration
+                # problem the operator must fix, reported before the engine starts serving.
+                raise ConfigError(
+                    f"secondary_tiers[{self.config.index}].root_dir: cannot use "
+                    f"{self.namespace.root!r}: {exc.strerror or exc}"
+                ) from exc
             raise
         self._apply_scan(scan, time.monotonic())
         if self.max_bytes is None:
