@@ -1,0 +1,313 @@
+"""``kvtier bench``: reproduce the tiered-offloading scaling chart on this machine.
+
+``run_bench_cli(argv)`` parses the arguments, runs every (strategy, conversations) pair of the
+sweep, prints a header and a table, writes the JSON results and the PNG chart, and returns the
+exit status: 0 on success, 1 when a request's logits differ from a full recompute (offloaded KV
+was wrong) or a run failed, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+__all__ = ["run_bench_cli", "build_parser", "QUICK", "FULL"]
+
+#: Workload and sweep of ``--quick`` (CI: well under a minute on 2 cores) ...
+QUICK: dict[str, Any] = {
+    "system_tokens": 128, "first_prompt_tokens": 384, "turn_tokens": 128, "rounds": 3,
+    "conversations": (2, 4, 8), "check": "all",
+}
+#: ... and of the default run (under 3 minutes on 2 cores).
+FULL: dict[str, Any] = {
+    "system_tokens": 128, "first_prompt_tokens": 512, "turn_tokens": 128, "rounds": 4,
+    "conversations": (1, 2, 4, 8, 12), "check": "sample",
+}
+#: Default tier sizes, in conversations' working sets: the sweeps straddle both.
+DEVICE_CONVERSATIONS = 3.0
+HOST_CONVERSATIONS = 6.0
+_MAX_CONVERSATIONS = 10_000
+_MAX_CONFIG_BYTES = 1 << 20
+
+
+def _positive_int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(not 0 < v <= _MAX_CONVERSATIONS for v in values):
+        raise argparse.ArgumentTypeError(f"each count must be in 1..{_MAX_CONVERSATIONS}, got {text!r}")
+    return tuple(sorted(set(values)))
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="kvtier bench",
+        description="Multi-turn chat prefill on a miniature transformer: throughput vs concurrent "
+        "conversations for recompute, cpu and cpu+fs offloading (and any --config).",
+    )
+    p.add_argument("--quick", action="store_true", help="small sweep for CI (< 60 s on 2 cores)")
+    p.add_argument("--strategies", default="recompute,cpu,cpu+fs",
+                   help="comma-separated built-in strategies: recompute, cpu, cpu+fs (default: all)")
+    p.add_argument("--config", action="append", default=[], metavar="FILE.json",
+                   help="extra strategy: a kv_connector_extra_config JSON file (named after the file); "
+                   "repeatable. cpu_bytes_to_use defaults to the bench's host size")
+    p.add_argument("--conversations", type=_positive_int_list, help="sweep, e.g. 2,4,8")
+    p.add_argument("--rounds", type=int, help="turns after the first prompt")
+    p.add_argument("--system-tokens", type=_positive_int)
+    p.add_argument("--prompt-tokens", type=_positive_int, help="first prompt of each conversation")
+    p.add_argument("--turn-tokens", type=_positive_int, help="tokens appended per round")
+    p.add_argument("--device-conversations", type=_positive_float, default=DEVICE_CONVERSATIONS,
+                   help="device KV pool size, in conversations' working sets (default %(default)s)")
+    p.add_argument("--host-conversations", type=_positive_float, default=HOST_CONVERSATIONS,
+                   help="host tier size, in conversations' working sets (default %(default)s)")
+    p.add_argument("--fs-root", help="parent of the fs tier's per-run directories (default: system temp)")
+    p.add_argument("--output", default="bench-results.json", help="JSON results (default %(default)s)")
+    p.add_argument("--chart", help="PNG chart (default: next to --output, same name .png)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default %(default)s)")
+    p.add_argument("--threads", type=_positive_int, help="torch threads (default: all CPUs)")
+    p.add_argument("--check", choices=("all", "sample", "none"),
+                   help="logits check against a full recompute (default: all with --quick, else sample)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--verbose", action="store_true", help="keep kvtier's warnings")
+    return p
+
+
+def run_bench_cli(argv: Sequence[str], stdout: TextIO | None = None) -> int:
+    """Entry point of ``kvtier bench`` (see the module docstring for the exit status)."""
+    out = stdout if stdout is not None else sys.stdout
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(argv))
+    except SystemExit as exc:  # argparse already printed the usage error
+        return int(exc.code or 0)
+    try:
+        plan, describe = _make_plan(args)
+    except (ValueError, OSError) as exc:
+        print(f"kvtier bench: error: {exc}", file=sys.stderr)
+        return 2
+    return _run(args, plan, describe, out)
+
+
+def _make_plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
+    import torch
+
+    from kvtier.bench.model import ModelConfig
+    from kvtier.bench.runner import BenchPlan, Strategy, builtin_strategies, default_capacities
+    from kvtier.bench.workload import WorkloadSpec
+
+    preset = QUICK if args.quick else FULL
+    model = ModelConfig(seed=args.seed)
+    workload = WorkloadSpec(
+        system_tokens=args.system_tokens or preset["system_tokens"],
+        first_prompt_tokens=args.prompt_tokens or preset["first_prompt_tokens"],
+        turn_tokens=args.turn_tokens or preset["turn_tokens"],
+        rounds=preset["rounds"] if args.rounds is None else args.rounds,
+        vocab_size=model.vocab_size,
+        seed=args.seed,
+    )
+    builtins = builtin_strategies()
+    strategies: list[Strategy] = []
+    for name in (s.strip() for s in args.strategies.split(",") if s.strip()):
+        if name not in builtins:
+            raise ValueError(f"unknown strategy {name!r}; built-in: {', '.join(builtins)}")
+        strategies.append(builtins[name])
+    for path in args.config:
+        strategies.append(_load_config_strategy(path, {s.name for s in strategies}))
+    if not strategies:
+        raise ValueError("no strategy to run")
+    if args.fs_root is not None and not os.path.isdir(args.fs_root):
+        raise ValueError(f"--fs-root {args.fs_root!r} is not a directory")
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda: CUDA is not available")
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda[:N], got {device!r}")
+    device_blocks, host_bytes = default_capacities(model, workload, args.device_conversations,
+                                                   args.host_conversations)
+    plan = BenchPlan(
+        model=model,
+        workload=workload,
+        conversations=args.conversations or preset["conversations"],
+        strategies=tuple(strategies),
+        device_blocks=device_blocks,
+        host_bytes=host_bytes,
+        check=args.check or preset["check"],
+        fs_root=args.fs_root,
+        device=device,
+    )
+    describe = {
+        "workload": (
+            f"{workload.system_tokens}-token shared system prompt + {workload.first_prompt_tokens}-token "
+            f"first prompt, then {workload.rounds} rounds of +{workload.turn_tokens} tokens "
+            f"(prompts {workload.prompt_tokens(0)}..{workload.prompt_tokens(workload.rounds)} tokens), "
+            f"round-robin over {', '.join(map(str, plan.conversations))} conversations"
+        ),
+        "device_tokens": device_blocks * model.block_size,
+        "device_conversations": args.device_conversations,
+        "host_bytes": host_bytes,
+        "host_conversations": args.host_conversations,
+        "fs_root": args.fs_root or "fresh temporary directory per run",
+        "check": {
+            "all": "every request compared with a full recompute",
+            "sample": "requests of conversations 0 and 1 of every run compared with a full recompute",
+            "none": "disabled",
+        }[plan.check],
+    }
+    return plan, describe
+
+
+def _load_config_strategy(path: str, taken: set[str]) -> Any:
+    from kvtier.bench.runner import Strategy
+    from kvtier.config import EngineConfig
+
+    file = Path(path)
+    if file.stat().st_size > _MAX_CONFIG_BYTES:
+        raise ValueError(f"--config {path}: larger than {_MAX_CONFIG_BYTES} bytes")
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--config {path}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--config {path}: expected a JSON object (kv_connector_extra_config)")
+    # Validate now (with a placeholder host size) so a typo fails before any run starts.
+    EngineConfig.from_dict({"cpu_bytes_to_use": 1 << 30, **config})
+    name = file.stem
+    while name in taken:
+        name += "'"
+    return Strategy(name, config)
+
+
+def _run(args: argparse.Namespace, plan: Any, describe: dict[str, Any], out: TextIO) -> int:
+    import anyio
+    import torch
+
+    import kvtier
+    from kvtier.bench.model import TinyDecoder
+    from kvtier.bench.report import (
+        Progress, describe_machine, describe_model, format_table, header_lines, write_chart, write_json,
+    )
+    from kvtier.bench.runner import LogitsMismatch, run_plan
+
+    threads = args.threads or os.cpu_count() or 1
+    previous_threads = torch.get_num_threads()
+    kvtier_logger = logging.getLogger("kvtier")
+    previous_level = kvtier_logger.level
+    if not args.verbose:
+        # Per-run fs tiers warn that they are unbounded; in a bench that is noise.
+        kvtier_logger.setLevel(logging.ERROR)
+    workload = plan.workload
+    mean_context = workload.tokens_per_conversation / workload.requests_per_conversation / 2
+    model_info = describe_model(plan.model, mean_context)
+    machine = describe_machine(plan.device, threads)
+    for line in header_lines(model_info, machine, describe):
+        print(line, file=out)
+    progress = Progress(plan.total_requests, enabled=not args.no_progress)
+    started = time.perf_counter()
+    try:
+        torch.set_num_threads(threads)
+        model = TinyDecoder(plan.model, device=plan.device)
+        results = anyio.run(
+            run_plan, plan, model, lambda s, n: progress.advance(f"{s} x{n}")
+        )
+    except LogitsMismatch as exc:
+        progress.close()
+        print(f"kvtier bench: LOGITS CHECK FAILED: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        torch.set_num_threads(previous_threads)
+        kvtier_logger.setLevel(previous_level)
+    progress.close()
+    total_s = time.perf_counter() - started
+    print(format_table(results), file=out)
+    checked = sum(r.checked_requests for r in results)
+    requests = sum(r.requests for r in results)
+    max_error = max((r.max_logit_error for r in results), default=0.0)
+    print(f"logits check: {checked} of {requests} requests match a full recompute "
+          f"(max |error| {max_error:.2g}); total {total_s:.1f}s", file=out)
+    summary = _summary(results, plan.conversations)
+    for line in summary["lines"]:
+        print(line, file=out)
+    document = {
+        "kvtier_version": kvtier.__version__,
+        "machine": machine,
+        "model": model_info,
+        "workload": {**workload.__dict__, "conversations": list(plan.conversations),
+                     "description": describe["workload"]},
+        "capacities": {
+            "device_blocks": plan.device_blocks,
+            "device_tokens": describe["device_tokens"],
+            "device_conversations": describe["device_conversations"],
+            "host_bytes": plan.host_bytes,
+            "host_conversations": describe["host_conversations"],
+            "fs_root": describe["fs_root"],
+        },
+        "strategies": {s.name: (dict(s.config) if s.config is not None else None) for s in plan.strategies},
+        "logits_check": {"mode": plan.check, "description": describe["check"], "checked_requests": checked,
+                         "requests": requests, "max_abs_error": max_error, "passed": True},
+        "summary": {k: v for k, v in summary.items() if k != "lines"},
+        "total_seconds": total_s,
+        "results": [r.as_dict() for r in results],
+    }
+    write_json(args.output, document)
+    print(f"results: {args.output}", file=out)
+    chart = args.chart or str(Path(args.output).with_suffix(".png"))
+    title = (f"kvtier bench{' --quick' if args.quick else ''}: {plan.model.num_layers}-layer toy decoder, "
+             f"{workload.rounds + 1} turns per conversation")
+    skipped = write_chart(chart, results, title)
+    print(skipped or f"chart: {chart}", file=out)
+    return 0
+
+
+def _summary(results: Sequence[Any], sweep: Sequence[int]) -> dict[str, Any]:
+    """The seed's shape in numbers: spread at the smallest N, speed-ups at the largest."""
+    def at(n: int) -> dict[str, float]:
+        return {r.strategy: r.throughput_tokens_per_s for r in results if r.conversations == n}
+
+    small, large = at(min(sweep)), at(max(sweep))
+    summary: dict[str, Any] = {"lines": []}
+    if small and min(small.values()) > 0:
+        spread = max(small.values()) / min(small.values()) - 1
+        summary["spread_at_smallest"] = spread
+        summary["lines"].append(f"at {min(sweep)} conversations: strategies within {spread:.0%} of each other")
+    base = large.get("recompute")
+    if base:
+        speedups = {name: tps / base for name, tps in large.items() if name != "recompute"}
+        summary["speedup_vs_recompute_at_largest"] = speedups
+        if speedups:
+            summary["lines"].append(
+                f"at {max(sweep)} conversations vs recompute: "
+                + ", ".join(f"{name} {x:.2f}x" for name, x in speedups.items())
+            )
+    return summary

@@ -1,0 +1,185 @@
+"""What the bench prints and writes: header, progress bar, table, JSON document and chart."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, TextIO
+
+from kvtier.bench.model import LLAMA_8B_FLOPS_PER_TOKEN, LLAMA_8B_KV_BYTES_PER_TOKEN, ModelConfig
+from kvtier.bench.runner import DEVICE_LABEL, RECOMPUTE_LABEL, RunResult
+
+__all__ = [
+    "Progress",
+    "describe_machine",
+    "describe_model",
+    "header_lines",
+    "format_table",
+    "write_json",
+    "write_chart",
+]
+
+
+class Progress:
+    """A one-line progress bar on ``stream`` (``\\r`` updates, no dependency); silent if disabled."""
+
+    def __init__(self, total: int, stream: TextIO | None = None, enabled: bool = True, width: int = 30) -> None:
+        self.total = max(1, total)
+        self.done = 0
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = enabled
+        self.width = width
+        self.started = time.monotonic()
+
+    def advance(self, label: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        filled = self.width * self.done // self.total
+        bar = "#" * filled + "-" * (self.width - filled)
+        elapsed = time.monotonic() - self.started
+        self.stream.write(f"\r[{bar}] {self.done}/{self.total} requests  {elapsed:5.1f}s  {label:<24}")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def describe_machine(device: str, threads: int) -> dict[str, Any]:
+    """Where the numbers come from (goes into the JSON and the header)."""
+    import torch
+
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": threads,
+        "device": device,
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def describe_model(model: ModelConfig, mean_context: float) -> dict[str, Any]:
+    """FLOPs and KV bytes per token, and how their ratio compares with Llama-3.1-8B's."""
+    flops = model.flops_per_token(int(mean_context))
+    kv = model.kv_bytes_per_token
+    ratio = flops / kv
+    llama_ratio = LLAMA_8B_FLOPS_PER_TOKEN / LLAMA_8B_KV_BYTES_PER_TOKEN
+    return {
+        "config": dict(model.__dict__),
+        "mean_context_tokens": mean_context,
+        "flops_per_token": flops,
+        "kv_bytes_per_token": kv,
+        "flops_per_kv_byte": ratio,
+        "llama_3_1_8b_flops_per_kv_byte": llama_ratio,
+        "ratio_vs_llama_3_1_8b": ratio / llama_ratio,
+    }
+
+
+def header_lines(model_info: Mapping[str, Any], machine: Mapping[str, Any], plan_info: Mapping[str, Any]) -> list[str]:
+    m = model_info
+    cfg = m["config"]
+    return [
+        "kvtier bench: multi-turn chat prefill, throughput vs concurrent conversations",
+        f"machine: {machine['platform']}, {machine['cpu_count']} CPUs, torch {machine['torch']} "
+        f"({machine['torch_threads']} threads), device {machine['device']}",
+        f"model: {cfg['num_layers']} layers, hidden {cfg['hidden_size']}, {cfg['num_heads']} heads "
+        f"({cfg['num_kv_heads']} KV) x {cfg['head_dim']}, MLP {cfg['intermediate_size']}, {cfg['dtype']}, "
+        f"block {cfg['block_size']} tokens",
+        f"  {m['flops_per_token'] / 1e6:.1f} MFLOPs/token (at {m['mean_context_tokens']:.0f} tokens of context), "
+        f"{m['kv_bytes_per_token'] / 1024:.1f} KiB KV/token -> {m['flops_per_kv_byte']:,.0f} FLOPs per KV byte",
+        f"  Llama-3.1-8B: ~16 GFLOPs/token, 128 KiB KV/token (bf16) -> "
+        f"{m['llama_3_1_8b_flops_per_kv_byte']:,.0f} FLOPs per KV byte; this model recomputes "
+        f"{m['ratio_vs_llama_3_1_8b']:.2f}x as much per byte of KV (a real model favours loading more)",
+        f"workload: {plan_info['workload']}",
+        f"tiers: device {plan_info['device_tokens']} tokens (~{plan_info['device_conversations']} conversations), "
+        f"host {plan_info['host_bytes'] / 2**20:.1f} MiB (~{plan_info['host_conversations']} conversations), "
+        f"fs unbounded ({plan_info['fs_root']})",
+        f"logits check: {plan_info['check']}",
+    ]
+
+
+def format_table(results: Sequence[RunResult]) -> str:
+    """One row per run: throughput, TTFT p50/p90, tokens from each tier, hit rate."""
+    tiers: list[str] = [DEVICE_LABEL]
+    for r in results:
+        for label in sorted(r.tokens_by_tier):
+            if label not in tiers and label != RECOMPUTE_LABEL:
+                tiers.append(label)
+    tiers.append(RECOMPUTE_LABEL)
+    head = ["strategy", "conv", "WS tok", "tok/s", "TTFT p50", "TTFT p90", *tiers, "hit"]
+    rows = [head]
+    for r in results:
+        rows.append(
+            [
+                r.strategy,
+                str(r.conversations),
+                str(r.working_set_tokens),
+                f"{r.throughput_tokens_per_s:,.0f}",
+                f"{r.ttft_p50_s * 1000:.0f} ms",
+                f"{r.ttft_p90_s * 1000:.0f} ms",
+                *[str(r.tokens_by_tier.get(t, 0)) for t in tiers],
+                f"{r.hit_rate:.0%}",
+            ]
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = []
+    for n, row in enumerate(rows):
+        cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        lines.append("  ".join(cells))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_json(path: str, document: Mapping[str, Any]) -> None:
+    """Write ``document`` atomically (a reader never sees half a file)."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(document, f, indent=2, sort_keys=False, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def write_chart(path: str, results: Sequence[RunResult], title: str) -> str | None:
+    """Throughput vs conversations, one line per strategy (PNG, Agg backend).
+
+    Returns ``None`` on success, or the reason the chart was skipped (matplotlib missing).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=True)
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'kvtier[bench]'); chart skipped"
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in results:
+        series.setdefault(r.strategy, []).append((r.conversations, r.throughput_tokens_per_s))
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    try:
+        for name, points in series.items():
+            points.sort()
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+        ax.set_xlabel("concurrent conversations")
+        ax.set_ylabel("prefill throughput (prompt tokens/s)")
+        ax.set_title(title, fontsize=10)
+        ax.set_ylim(bottom=0)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+    return None

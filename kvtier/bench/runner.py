@@ -1,0 +1,380 @@
+"""Runs the chat workload against each offloading strategy and checks every answer.
+
+One *run* is one (strategy, conversations) pair, started cold: a fresh device pool, a fresh
+kvtier engine and a fresh directory for any filesystem tier (conversation ``c`` has the same
+tokens at every ``N``, so a warm disk would leak hits between runs). Requests are served one at
+a time, like a single prefill worker:
+
+1. ``DeviceBlockPool.acquire`` pins the device prefix-cache hit and allocates the other blocks;
+2. ``engine.load_with_sources`` fills the following whole chunks from kvtier's tiers (never the
+   last token, whose logits must be computed);
+3. ``TinyDecoder.prefill`` computes the rest, in a worker thread so the engine's event loop
+   keeps cascading to secondary tiers meanwhile (as a GPU computes while the host does I/O);
+4. ``engine.store`` offloads the prompt's complete chunks; the pool then releases the blocks.
+
+The timed section is exactly steps 1-4 of every request; a strategy's throughput is its prompt
+tokens over the sum of its requests' service times. The strategies of one sweep point run in
+lockstep (see ``run_point``) so that load from elsewhere on the machine hits them alike.
+Reference recomputes for the logits check run after the engines are closed, so no strategy's
+background I/O overlaps untimed work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import torch
+
+from kvtier.bench.model import DeviceBlockPool, ModelConfig, TinyDecoder
+from kvtier.bench.workload import ChatRequest, WorkloadSpec, iter_requests
+
+__all__ = [
+    "Strategy",
+    "BenchPlan",
+    "RunResult",
+    "LogitsMismatch",
+    "ReferenceLogits",
+    "builtin_strategies",
+    "default_capacities",
+    "run_plan",
+    "DEVICE_LABEL",
+    "RECOMPUTE_LABEL",
+]
+
+#: ``tokens_by_tier`` label of tokens found in the device prefix cache.
+DEVICE_LABEL = "device"
+#: ``tokens_by_tier`` label of tokens the model computed.
+RECOMPUTE_LABEL = "recompute"
+#: Marker in a strategy's tier list replaced by a fresh per-run directory.
+FRESH_DIR = "<fresh temporary directory>"
+
+# float32 logits of a paged prefill and a dense one differ only by summation order.
+_ATOL = 1e-3
+_RTOL = 1e-3
+
+
+class LogitsMismatch(AssertionError):
+    """A request's logits differ from a full recompute: some tier returned wrong KV."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A named caching strategy: ``config`` is a ``kv_connector_extra_config`` dict, or ``None``
+    for ``recompute`` (device prefix cache only, kvtier not used)."""
+
+    name: str
+    config: Mapping[str, Any] | None = None
+
+    def resolve(self, host_bytes: int, fresh_dir: Callable[[], str]) -> dict[str, Any] | None:
+        """The engine config of one run: host size filled in when absent, ``FRESH_DIR`` replaced."""
+        if self.config is None:
+            return None
+        cfg = dict(self.config)
+        cfg.setdefault("cpu_bytes_to_use", host_bytes)
+        tiers = []
+        for tier in cfg.get("secondary_tiers", ()):
+            tier = dict(tier)
+            if tier.get("root_dir") == FRESH_DIR:
+                tier["root_dir"] = fresh_dir()
+            tiers.append(tier)
+        if tiers:
+            cfg["secondary_tiers"] = tiers
+        return cfg
+
+
+def builtin_strategies() -> dict[str, Strategy]:
+    """``recompute``, ``cpu`` and ``cpu+fs`` (fs in a fresh directory per run)."""
+    fs = {"type": "fs", "root_dir": FRESH_DIR, "n_read_threads": 4, "n_write_threads": 2}
+    return {
+        "recompute": Strategy("recompute", None),
+        "cpu": Strategy("cpu", {"spec_name": "CPUOffloadingSpec"}),
+        "cpu+fs": Strategy("cpu+fs", {"spec_name": "TieringOffloadingSpec", "secondary_tiers": [fs]}),
+    }
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    """Everything one bench invocation runs: model, workload, sweep, strategies and tier sizes."""
+
+    model: ModelConfig
+    workload: WorkloadSpec
+    conversations: tuple[int, ...]
+    strategies: tuple[Strategy, ...]
+    device_blocks: int
+    host_bytes: int
+    check: str = "all"  # "all" | "sample" (conversations 0 and 1 of every run) | "none"
+    fs_root: str | None = None
+    device: str = "cpu"
+
+    @property
+    def total_requests(self) -> int:
+        per_strategy = sum(self.conversations) * self.workload.requests_per_conversation
+        return per_strategy * len(self.strategies)
+
+
+def default_capacities(
+    model: ModelConfig, workload: WorkloadSpec, device_conversations: float, host_conversations: float
+) -> tuple[int, int]:
+    """``(device_blocks, host_bytes)`` holding the working sets of that many conversations.
+
+    With the sweep straddling both sizes, the three regimes appear: everything fits on the
+    device, only in host memory, or only on disk. Host bytes count whole chunk slots (the
+    geometry's 4 KiB-aligned slot size, one block per chunk).
+    """
+    bs = model.block_size
+    device_tokens = _ws(workload, device_conversations)
+    longest = workload.prompt_tokens(workload.rounds)
+    device_blocks = max(math.ceil(device_tokens / bs), math.ceil(longest / bs) + 1)
+    host_chunks = math.ceil(_ws(workload, host_conversations) / bs)
+    slot: int = geometry_for(model).slot_bytes(1)
+    return device_blocks, host_chunks * slot
+
+
+def _ws(workload: WorkloadSpec, conversations: float) -> float:
+    private = workload.prompt_tokens(workload.rounds) - workload.system_tokens
+    return workload.system_tokens + conversations * private
+
+
+def geometry_for(model: ModelConfig) -> Any:
+    """The ``kvtier.KVGeometry`` of the miniature model's device pool."""
+    from kvtier.layout import KVGeometry
+
+    return KVGeometry(model.model_name, model.num_layers, model.num_kv_heads, model.head_dim,
+                      model.dtype, model.block_size)
+
+
+@dataclass
+class RunResult:
+    """Every number of one run (one row of the report and of the JSON ``results``)."""
+
+    strategy: str
+    conversations: int
+    requests: int
+    prompt_tokens: int
+    computed_tokens: int
+    elapsed_s: float
+    throughput_tokens_per_s: float
+    ttft_p50_s: float
+    ttft_p90_s: float
+    ttft_mean_s: float
+    tokens_by_tier: dict[str, int]
+    hit_rate: float
+    working_set_tokens: int
+    checked_requests: int
+    max_logit_error: float
+    engine_stats: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class ReferenceLogits:
+    """Full-recompute logits per (conversation, round), memoized across runs.
+
+    Valid because the workload draws conversation ``c``'s tokens independently of ``N``.
+    """
+
+    def __init__(self, model: TinyDecoder) -> None:
+        self.model = model
+        self._cache: dict[tuple[int, int, int], torch.Tensor] = {}
+
+    def get(self, request: ChatRequest) -> torch.Tensor:
+        key = (request.conversation, request.round, len(request.token_ids))
+        ref = self._cache.get(key)
+        if ref is None:
+            ref = self._cache[key] = self.model.dense_logits(request.token_ids)
+        return ref
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return 0.0
+    pos = q * (len(ordered) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _should_check(plan: BenchPlan, request: ChatRequest) -> bool:
+    if plan.check == "all":
+        return True
+    if plan.check == "sample":
+        return request.conversation < 2
+    return False
+
+
+class _Server:
+    """One strategy's prefill worker for one run: its device pool, engine and tallies."""
+
+    def __init__(self, plan: BenchPlan, strategy: Strategy, model: TinyDecoder, engine: Any) -> None:
+        self.plan = plan
+        self.strategy = strategy
+        self.model = model
+        self.engine = engine
+        self.pool = DeviceBlockPool(plan.device_blocks, plan.model, device=plan.device)
+        self.by_tier: dict[str, int] = {DEVICE_LABEL: 0, RECOMPUTE_LABEL: 0}
+        self.ttfts: list[float] = []
+        self.busy_s = 0.0
+        self.prompt_tokens = 0
+        self.to_check: list[tuple[ChatRequest, torch.Tensor, dict[str, int]]] = []
+
+    async def serve(self, request: ChatRequest) -> None:
+        """Prefill ``request`` (steps 1-4 of the module docstring), timing it."""
+        tokens = request.token_ids
+        engine = self.engine
+        t0 = time.perf_counter()
+        alloc = self.pool.acquire(tokens)
+        cached = alloc.cached_tokens
+        sources = {DEVICE_LABEL: cached}
+        if engine is not None:
+            # Never the last token: its logits are the answer and must be computed.
+            outcome = await engine.load_with_sources(tokens[:-1], alloc.block_ids, num_computed_tokens=cached)
+            if outcome.tokens:
+                first = (cached // engine.chunk_tokens) * engine.chunk_tokens
+                loaded = dict(outcome.tokens_by_tier)
+                # The engine counts from the chunk holding token `cached`; the part of that
+                # chunk already on the device is not a tier hit.
+                overlap = cached - first
+                if overlap:
+                    top = max(loaded, key=loaded.__getitem__)
+                    loaded[top] -= overlap
+                for label, n in loaded.items():
+                    sources[label] = sources.get(label, 0) + n
+                cached = first + outcome.tokens
+        logits = await anyio.to_thread.run_sync(self.model.prefill, tokens, cached, self.pool, alloc.block_ids)
+        self.ttfts.append(time.perf_counter() - t0)
+        if engine is not None:
+            await engine.store(tokens, alloc.block_ids, num_prompt_tokens=len(tokens))
+        self.pool.release(alloc)
+        self.busy_s += time.perf_counter() - t0
+        sources[RECOMPUTE_LABEL] = len(tokens) - cached
+        for label, n in sources.items():
+            self.by_tier[label] = self.by_tier.get(label, 0) + n
+        self.prompt_tokens += len(tokens)
+        if _should_check(self.plan, request):
+            self.to_check.append((request, logits, sources))
+
+    def result(self, conversations: int, references: ReferenceLogits, engine_stats: dict[str, Any]) -> RunResult:
+        """The run's numbers, after checking every kept answer; raises ``LogitsMismatch``."""
+        max_error = 0.0
+        for request, logits, sources in self.to_check:
+            ref = references.get(request)
+            error = float((logits - ref).abs().max())
+            max_error = max(max_error, error)
+            if error > _ATOL + _RTOL * float(ref.abs().max()):
+                raise LogitsMismatch(
+                    f"strategy {self.strategy.name!r}, {conversations} conversations: request of "
+                    f"conversation {request.conversation} round {request.round} "
+                    f"({len(request.token_ids)} tokens, sources {sources}) has logits off by "
+                    f"{error:.3g} from a full recompute: offloaded KV is wrong"
+                )
+        computed = self.by_tier[RECOMPUTE_LABEL]
+        ttfts, total = self.ttfts, self.prompt_tokens
+        return RunResult(
+            strategy=self.strategy.name,
+            conversations=conversations,
+            requests=len(ttfts),
+            prompt_tokens=total,
+            computed_tokens=computed,
+            elapsed_s=self.busy_s,
+            throughput_tokens_per_s=total / self.busy_s if self.busy_s > 0 else 0.0,
+            ttft_p50_s=_quantile(ttfts, 0.5),
+            ttft_p90_s=_quantile(ttfts, 0.9),
+            ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else 0.0,
+            tokens_by_tier={k: v for k, v in self.by_tier.items() if v or k in (DEVICE_LABEL, RECOMPUTE_LABEL)},
+            hit_rate=1.0 - computed / total if total else 0.0,
+            working_set_tokens=self.plan.workload.working_set_tokens(conversations),
+            checked_requests=len(self.to_check),
+            max_logit_error=max_error,
+            engine_stats=engine_stats,
+        )
+
+
+async def run_point(
+    plan: BenchPlan,
+    strategies: Sequence[Strategy],
+    conversations: int,
+    model: TinyDecoder,
+    references: ReferenceLogits,
+    on_request: Callable[[str], None] = lambda name: None,
+) -> list[RunResult]:
+    """One cold run of ``conversations`` per strategy, served in lockstep.
+
+    Each request is served by every strategy back to back (the order rotating per request), so
+    a burst of load from elsewhere on the machine slows all strategies alike instead of
+    whichever run it happened to overlap. Throughput is prompt tokens over each strategy's own
+    busy time (the sum of its requests' service times). Raises ``LogitsMismatch``.
+    """
+    import kvtier
+
+    with contextlib.ExitStack() as dirs:
+
+        def fresh_dir() -> str:
+            path = tempfile.mkdtemp(prefix="kvtier-bench-", dir=plan.fs_root)
+            dirs.callback(shutil.rmtree, path, ignore_errors=True)
+            return path
+
+        async with contextlib.AsyncExitStack() as stack:
+            servers: list[_Server] = []
+            for strategy in strategies:
+                config = strategy.resolve(plan.host_bytes, fresh_dir)
+                server = _Server(plan, strategy, model, None)
+                if config is not None:
+                    server.engine = await stack.enter_async_context(
+                        kvtier.open(config, geometry_for(plan.model), server.pool.kv)
+                    )
+                servers.append(server)
+            for i, request in enumerate(iter_requests(plan.workload, conversations)):
+                shift = i % len(servers)
+                for server in servers[shift:] + servers[:shift]:
+                    await server.serve(request)
+                    on_request(server.strategy.name)
+            stats = [_summarize_stats(s.engine.statistics()) if s.engine is not None else {} for s in servers]
+    # Reference recomputes run after every engine is closed: no background I/O overlaps them.
+    return [s.result(conversations, references, st) for s, st in zip(servers, stats)]
+
+
+async def run_one(
+    plan: BenchPlan, strategy: Strategy, conversations: int, model: TinyDecoder, references: ReferenceLogits
+) -> RunResult:
+    """One cold run of one strategy (``run_point`` with a single strategy)."""
+    return (await run_point(plan, [strategy], conversations, model, references))[0]
+
+
+def _summarize_stats(stats: Mapping[str, Any]) -> dict[str, Any]:
+    """A JSON-able view of ``engine.statistics()`` (dataclass snapshots become dicts)."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, (str, int, float, bool)) or value is None:
+            return value
+        if isinstance(value, Mapping):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        fields = getattr(value, "__dataclass_fields__", None) or getattr(value, "__struct_fields__", None)
+        if fields is not None:
+            return {name: plain(getattr(value, name)) for name in fields}
+        return repr(value)
+
+    return {str(k): plain(v) for k, v in stats.items()}
+
+
+async def run_plan(
+    plan: BenchPlan, model: TinyDecoder, on_request: Callable[[str, int], None] = lambda s, n: None
+) -> list[RunResult]:
+    """Every (strategy, conversations) result of ``plan``, strategy-major, in sweep order."""
+    references = ReferenceLogits(model)
+    by_point: dict[int, list[RunResult]] = {}
+    for n in plan.conversations:
+        by_point[n] = await run_point(plan, plan.strategies, n, model, references,
+                                      lambda name, n=n: on_request(name, n))
+    return [by_point[n][i] for i in range(len(plan.strategies)) for n in plan.conversations]

@@ -1,0 +1,256 @@
+"""Specification of ``kvtier bench``: the miniature model, its device prefix cache, the chat
+workload, the runner's logits check, and the shape of the quick bench's results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.bench.cli import run_bench_cli
+from kvtier.bench.model import DeviceBlockPool, ModelConfig, PoolExhausted, TinyDecoder
+from kvtier.bench.runner import (
+    FRESH_DIR,
+    BenchPlan,
+    LogitsMismatch,
+    ReferenceLogits,
+    Strategy,
+    builtin_strategies,
+    default_capacities,
+    run_one,
+)
+from kvtier.bench.workload import WorkloadSpec, conversation_tokens, iter_requests
+
+SMALL = ModelConfig(vocab_size=256, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
+                    head_dim=16, intermediate_size=128, block_size=16)
+
+
+@pytest.fixture(scope="module")
+def model() -> TinyDecoder:
+    return TinyDecoder(SMALL)
+
+
+def _tokens(n: int, seed: int = 1) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, SMALL.vocab_size, (n,), generator=g).tolist()
+
+
+# --- model -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("cached", [0, 16, 37, 64, 98])
+def test_paged_prefill_with_cached_prefix_equals_full_prefill(model: TinyDecoder, cached: int) -> None:
+    tokens = _tokens(99)
+    pool = DeviceBlockPool(16, SMALL)
+    blocks = list(range(15, 15 - 7, -1))  # scattered, descending: the block table matters
+    if cached:
+        model.prefill(tokens[:cached] + [0], 0, pool, blocks)  # KV of the prefix lands in the pool
+    logits = model.prefill(tokens, cached, pool, blocks)
+    torch.testing.assert_close(logits, model.dense_logits(tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_reads_the_cached_prefix_from_the_pool(model: TinyDecoder) -> None:
+    tokens = _tokens(40)
+    pool = DeviceBlockPool(4, SMALL)
+    model.prefill(tokens, 0, pool, [0, 1, 2])
+    pool.kv[0].zero_()  # wrong KV for tokens 0..15
+    assert not torch.allclose(model.prefill(tokens, 32, pool, [0, 1, 2]), model.dense_logits(tokens))
+
+
+def test_prefill_must_compute_the_last_token(model: TinyDecoder) -> None:
+    pool = DeviceBlockPool(4, SMALL)
+    with pytest.raises(ValueError):
+        model.prefill(_tokens(32), 32, pool, [0, 1])
+
+
+def test_weights_are_a_function_of_the_seed() -> None:
+    tokens = _tokens(20)
+    a, b = TinyDecoder(SMALL), TinyDecoder(SMALL)
+    c = TinyDecoder(ModelConfig(**{**SMALL.__dict__, "seed": 1}))
+    assert torch.equal(a.dense_logits(tokens), b.dense_logits(tokens))
+    assert not torch.allclose(a.dense_logits(tokens), c.dense_logits(tokens))
+
+
+def test_model_reports_flops_and_kv_bytes_per_token() -> None:
+    assert SMALL.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    assert SMALL.flops_per_token(100) > SMALL.flops_per_token(0) > 2 * SMALL.parameters_per_layer
+
+
+# --- device block pool + prefix cache --------------------------------------------------------
+def test_released_blocks_are_prefix_cache_hits_for_the_next_request() -> None:
+    pool = DeviceBlockPool(8, SMALL)
+    tokens = _tokens(50)
+    first = pool.acquire(tokens)
+    assert first.cached_tokens == 0 and len(first.block_ids) == 4
+    pool.release(first)
+    again = pool.acquire(tokens + _tokens(20, seed=2))
+    assert again.cached_tokens == 48
+    assert again.block_ids[:3] == first.block_ids[:3]
+
+
+def test_cached_prefix_never_covers_the_last_token() -> None:
+    pool = DeviceBlockPool(8, SMALL)
+    tokens = _tokens(48)
+    pool.release(pool.acquire(tokens))
+    assert pool.acquire(tokens).cached_tokens == 32
+
+
+def test_uncommitted_release_caches_nothing() -> None:
+    pool = DeviceBlockPool(8, SMALL)
+    tokens = _tokens(48)
+    pool.release(pool.acquire(tokens), cache=False)
+    assert pool.acquire(tokens).cached_tokens == 0 and pool.cached_blocks == 0
+
+
+def test_eviction_takes_the_least_recently_released_blocks_tail_first() -> None:
+    pool = DeviceBlockPool(6, SMALL)
+    a, b = _tokens(48, seed=1), _tokens(48, seed=2)
+    pool.release(pool.acquire(a))  # 3 blocks, 3 free
+    pool.release(pool.acquire(b))  # 3 more: the pool is full of cached blocks
+    c = pool.acquire(_tokens(17, seed=3))  # 2 blocks: evicts a's last two blocks
+    pool.release(c, cache=False)
+    again = pool.acquire(a + [1])
+    assert again.cached_tokens == 16  # a's first block survived; b is intact
+    pool.release(again, cache=False)  # this took b's last block (the oldest of b's)
+    assert pool.acquire(b + [1]).cached_tokens == 32
+
+
+def test_pool_too_small_for_a_request_raises_and_stays_usable() -> None:
+    pool = DeviceBlockPool(2, SMALL)
+    with pytest.raises(PoolExhausted):
+        pool.acquire(_tokens(40))
+    assert len(pool.acquire(_tokens(32)).block_ids) == 2
+
+
+# --- workload ---------------------------------------------------------------------------------
+def test_requests_are_round_robin_and_each_turn_extends_the_history() -> None:
+    spec = WorkloadSpec(system_tokens=8, first_prompt_tokens=16, turn_tokens=4, rounds=2, vocab_size=50)
+    requests = list(iter_requests(spec, 3))
+    assert [(r.round, r.conversation) for r in requests] == [(r, c) for r in range(3) for c in range(3)]
+    by_conv = {c: [r.token_ids for r in requests if r.conversation == c] for c in range(3)}
+    for history in by_conv.values():
+        assert [len(t) for t in history] == [24, 28, 32]
+        assert history[1][:24] == history[0] and history[2][:28] == history[1]
+    assert by_conv[0][0][:8] == by_conv[1][0][:8] == by_conv[2][0][:8]  # shared system prompt
+    assert by_conv[0][0][8:] != by_conv[1][0][8:]
+
+
+def test_conversation_tokens_do_not_depend_on_the_number_of_conversations() -> None:
+    spec = WorkloadSpec(system_tokens=8, first_prompt_tokens=16, turn_tokens=4, rounds=2, vocab_size=50)
+    last = [r for r in iter_requests(spec, 5) if r.conversation == 1 and r.round == 2][0]
+    assert last.token_ids == conversation_tokens(spec, 1, 2)
+    assert [r.token_ids for r in iter_requests(spec, 2)][:2] == [conversation_tokens(spec, c, 0) for c in (0, 1)]
+
+
+def test_working_set_grows_linearly_with_conversations() -> None:
+    spec = WorkloadSpec(system_tokens=100, first_prompt_tokens=300, turn_tokens=50, rounds=2)
+    assert spec.prompt_tokens(2) == 500
+    assert spec.working_set_tokens(1) == 500
+    assert spec.working_set_tokens(4) == 100 + 4 * 400
+    assert spec.tokens_per_conversation == 400 + 450 + 500
+
+
+def test_default_capacities_hold_the_requested_working_sets() -> None:
+    spec = WorkloadSpec(system_tokens=32, first_prompt_tokens=64, turn_tokens=16, rounds=2)
+    blocks, host = default_capacities(SMALL, spec, 3, 6)
+    assert blocks * SMALL.block_size >= spec.working_set_tokens(3)
+    slot = 4096 * -(-SMALL.kv_bytes_per_token * SMALL.block_size // 4096)
+    assert host // slot * SMALL.block_size >= spec.working_set_tokens(6)
+
+
+def test_strategy_resolution_fills_host_size_and_fresh_directories(tmp_path: Path) -> None:
+    cfg = builtin_strategies()["cpu+fs"].resolve(12345, lambda: str(tmp_path))
+    assert cfg is not None and cfg["cpu_bytes_to_use"] == 12345
+    assert cfg["secondary_tiers"][0]["root_dir"] == str(tmp_path)
+    assert builtin_strategies()["cpu+fs"].config["secondary_tiers"][0]["root_dir"] == FRESH_DIR
+    assert builtin_strategies()["recompute"].resolve(1, lambda: "") is None
+    assert Strategy("x", {"cpu_bytes_to_use": 7}).resolve(1, lambda: "") == {"cpu_bytes_to_use": 7}
+
+
+# --- runner -----------------------------------------------------------------------------------
+def _small_plan(strategies: tuple[Strategy, ...]) -> BenchPlan:
+    spec = WorkloadSpec(system_tokens=16, first_prompt_tokens=48, turn_tokens=16, rounds=2,
+                        vocab_size=SMALL.vocab_size)
+    blocks, host = default_capacities(SMALL, spec, 1.5, 4)
+    return BenchPlan(SMALL, spec, (2,), strategies, blocks, host, check="all")
+
+
+@pytest.mark.anyio
+async def test_host_tier_hits_give_the_same_logits_as_recompute(model: TinyDecoder) -> None:
+    plan = _small_plan((builtin_strategies()["cpu"],))
+    result = await run_one(plan, plan.strategies[0], 3, model, ReferenceLogits(model))
+    assert result.checked_requests == result.requests == 9
+    assert result.tokens_by_tier.get("0:primary", 0) > 0
+    assert sum(result.tokens_by_tier.values()) == result.prompt_tokens
+    assert result.max_logit_error < 1e-3
+
+
+@pytest.mark.anyio
+async def test_wrong_kv_from_a_cache_fails_the_logits_check(
+    model: TinyDecoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class CorruptingPool(DeviceBlockPool):
+        def acquire(self, token_ids):  # type: ignore[no-untyped-def]
+            alloc = super().acquire(token_ids)
+            for block in alloc.block_ids[: alloc.cached_tokens // self.config.block_size]:
+                self.kv[block].add_(1.0)  # a cache hit returns KV that is not what was stored
+            return alloc
+
+    monkeypatch.setattr("kvtier.bench.runner.DeviceBlockPool", CorruptingPool)
+    plan = _small_plan((builtin_strategies()["recompute"],))
+    with pytest.raises(LogitsMismatch, match="offloaded KV is wrong"):
+        await run_one(plan, plan.strategies[0], 2, model, ReferenceLogits(model))
+
+
+# --- command line -----------------------------------------------------------------------------
+def test_bad_arguments_exit_with_status_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_bench_cli(["--conversations", "0"]) == 2
+    assert run_bench_cli(["--strategies", "gpu-magic"]) == 2
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert run_bench_cli(["--config", str(bad)]) == 2
+    typo = tmp_path / "typo.json"
+    typo.write_text(json.dumps({"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_uze": 1}))
+    assert run_bench_cli(["--config", str(typo)]) == 2
+
+
+def test_config_file_strategy_runs_under_its_file_name(tmp_path: Path) -> None:
+    cfg = tmp_path / "cpu+memory.json"
+    cfg.write_text(json.dumps({"spec_name": "TieringOffloadingSpec",
+                               "secondary_tiers": [{"type": "memory", "capacity_bytes": 1 << 26}]}))
+    out = tmp_path / "r.json"
+    argv = ["--quick", "--conversations", "1", "--rounds", "1", "--strategies", "recompute",
+            "--config", str(cfg), "--output", str(out), "--no-progress"]
+    assert run_bench_cli(argv) == 0
+    doc = json.loads(out.read_text())
+    assert [r["strategy"] for r in doc["results"]] == ["recompute", "cpu+memory"]
+    assert doc["strategies"]["cpu+memory"]["secondary_tiers"][0]["type"] == "memory"
+
+
+@pytest.mark.slow
+def test_quick_bench_reproduces_the_scaling_shape(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    assert run_bench_cli(["--quick", "--output", str(out), "--fs-root", str(tmp_path), "--no-progress"]) == 0
+    doc = json.loads(out.read_text())
+    assert (tmp_path / "bench.png").stat().st_size > 0
+    check = doc["logits_check"]
+    assert check["passed"] and check["mode"] == "all" and check["checked_requests"] == check["requests"] > 0
+    rows = {(r["strategy"], r["conversations"]): r for r in doc["results"]}
+    sweep = doc["workload"]["conversations"]
+    assert {s for s, _ in rows} == {"recompute", "cpu", "cpu+fs"}
+    for row in doc["results"]:
+        for key in ("throughput_tokens_per_s", "ttft_p50_s", "ttft_p90_s", "tokens_by_tier"):
+            assert key in row
+        assert sum(row["tokens_by_tier"].values()) == row["prompt_tokens"]
+    small, large = min(sweep), max(sweep)
+    tps = {k: r["throughput_tokens_per_s"] for k, r in rows.items()}
+    assert tps[("cpu+fs", large)] >= 2 * tps[("recompute", large)]
+    at_small = [tps[(s, small)] for s in ("recompute", "cpu", "cpu+fs")]
+    assert max(at_small) <= 1.25 * min(at_small)
+    # Disk hits exactly where the working set exceeds host memory.
+    host_tokens = doc["capacities"]["host_conversations"]
+    for n in sweep:
+        fs_tokens = rows[("cpu+fs", n)]["tokens_by_tier"].get("1:fs", 0)
+        assert (fs_tokens > 0) == (n > host_tokens), (n, fs_tokens)
+    # The cpu strategy never touches a disk.
+    assert all("1:fs" not in rows[("cpu", n)]["tokens_by_tier"] for n in sweep)
