@@ -17,6 +17,7 @@ _EXPORTS: dict[str, str] = {
     "EngineConfig": "kvtier.config",
     "TierConfig": "kvtier.config",
     "RequestParams": "kvtier.config",
+    "TierFilter": "kvtier.config",
     "KVGeometry": "kvtier.layout",
     "LookupResult": "kvtier.types",
     "Medium": "kvtier.types",
@@ -27,6 +28,9 @@ _EXPORTS: dict[str, str] = {
     "Engine": "kvtier.api",
     "open": "kvtier.api",
     "start_in_thread": "kvtier.api",
+    "LoadOutcome": "kvtier.api",
+    "EngineMetrics": "kvtier.metrics",
+    "serve_metrics": "kvtier.metrics",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
@@ -46,8 +50,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvtier.api import Engine, open, start_in_thread
-    from kvtier.config import EngineConfig, RequestParams, TierConfig
+    from kvtier.api import Engine, LoadOutcome, open, start_in_thread
+    from kvtier.config import EngineConfig, RequestParams, TierConfig, TierFilter
+    from kvtier.metrics import EngineMetrics, serve_metrics
     from kvtier.context import RequestContext
     from kvtier.errors import ConfigError, RequestError
     from kvtier.layout import KVGeometry

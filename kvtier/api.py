@@ -383,7 +383,12 @@ class Engine:
         already has the tokens before it on the device). ``block_ids[i]`` is the device block of
         token block ``i`` (absolute index). Promotions from secondary tiers are awaited; a chunk
         whose promotion fails or does not finish within ``wait_timeout_s`` ends the prefix (the
-        caller recomputes from there). Only whole chunks are loaded.
+        caller recomputes from there). Only whole chunks are loaded, and only chunks that lie
+        entirely inside ``token_ids``: a caller that must compute the last prompt token itself
+        (to sample from its logits) passes ``token_ids[:-1]``.
+
+        Returns the number of tokens beyond ``num_computed_tokens`` now on the device, so the
+        caller's new computed count is ``num_computed_tokens + result``.
         """
         return (await self.load_with_sources(token_ids, block_ids, params,
                                              num_computed_tokens=num_computed_tokens)).tokens
@@ -421,11 +426,15 @@ class Engine:
                 logger.error("host→device copy failed: %s", result.error)
                 return LoadOutcome(0, {})
             self.manager.touch(hit_keys, ctx)
+            # Count only tokens beyond what the caller already had: the first chunk may start
+            # before num_computed_tokens when that is not chunk-aligned.
             by_tier: dict[str, int] = {}
-            for key in hit_keys:
-                label = self.manager.get_load_source(key, ctx)
-                by_tier[label] = by_tier.get(label, 0) + self.chunk_tokens
-            return LoadOutcome(len(hit_keys) * self.chunk_tokens, by_tier)
+            for i, key in enumerate(hit_keys, start=first):
+                new_tokens = (i + 1) * self.chunk_tokens - max(i * self.chunk_tokens, num_computed_tokens)
+                if new_tokens > 0:
+                    label = self.manager.get_load_source(key, ctx)
+                    by_tier[label] = by_tier.get(label, 0) + new_tokens
+            return LoadOutcome(sum(by_tier.values()), by_tier)
         finally:
             self.manager.on_request_finished(ctx)
             self._publish_events()

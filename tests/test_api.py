@@ -202,3 +202,15 @@ async def test_tier_start_failure_is_a_plain_config_error(tmp_path) -> None:  # 
     with pytest.raises(ConfigError):
         async with kvtier.open(tiering_config(tiers=tiers), geometry(), device_kv()):
             pass  # pragma: no cover
+
+
+@pytest.mark.anyio
+async def test_load_counts_only_tokens_beyond_what_the_caller_had() -> None:
+    kv = device_kv()
+    tokens = prompts(1, 3 * BLOCK, seed=12)[0]
+    async with kvtier.open({"cpu_bytes_to_use": 8 * geometry().slot_bytes(1)}, geometry(), kv) as engine:
+        await engine.store(tokens, [0, 1, 2])
+        outcome = await engine.load_with_sources(tokens, [0, 1, 2], num_computed_tokens=BLOCK + 1)
+        # chunks 1 and 2 are placed; one token of chunk 1 was already on the device
+        assert outcome.tokens == 2 * BLOCK - 1
+        assert outcome.tokens_by_tier == {"0:primary": 2 * BLOCK - 1}

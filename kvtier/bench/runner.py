@@ -238,18 +238,9 @@ class _Server:
         if engine is not None:
             # Never the last token: its logits are the answer and must be computed.
             outcome = await engine.load_with_sources(tokens[:-1], alloc.block_ids, num_computed_tokens=cached)
-            if outcome.tokens:
-                first = (cached // engine.chunk_tokens) * engine.chunk_tokens
-                loaded = dict(outcome.tokens_by_tier)
-                # The engine counts from the chunk holding token `cached`; the part of that
-                # chunk already on the device is not a tier hit.
-                overlap = cached - first
-                if overlap:
-                    top = max(loaded, key=loaded.__getitem__)
-                    loaded[top] -= overlap
-                for label, n in loaded.items():
-                    sources[label] = sources.get(label, 0) + n
-                cached = first + outcome.tokens
+            for label, n in outcome.tokens_by_tier.items():
+                sources[label] = sources.get(label, 0) + n
+            cached += outcome.tokens
         logits = await anyio.to_thread.run_sync(self.model.prefill, tokens, cached, self.pool, alloc.block_ids)
         self.ttfts.append(time.perf_counter() - t0)
         if engine is not None:
