@@ -234,13 +234,14 @@ async def test_aclose_with_jobs_in_flight_reports_every_job_exactly_once() -> No
     engine = CpuCopyEngine(random_kv(geo, True), geo, 1, buffer, max_concurrent_jobs=1)
     async with anyio.create_task_group() as tg:
         await tg.start(engine.run)
-        for job_id in range(8):
-            engine.submit(CopyJob(job_id, "to_host", [job_id], [job_id]))
-        await anyio.sleep(0)  # let the worker pick up (at most) one job
+        # More jobs than a worker takes per thread hop, so some are still queued at close.
+        for job_id in range(32):
+            engine.submit(CopyJob(job_id, "to_host", [job_id % 8], [job_id % 8]))
+        await anyio.sleep(0)  # let the worker pick up (at most) one batch
         with anyio.fail_after(5):
             await engine.aclose()
     results = engine.get_finished()
-    assert sorted(r.job_id for r in results) == list(range(8))
+    assert sorted(r.job_id for r in results) == list(range(32))
     assert any(r.error == "closed" for r in results)
     assert all(r.success or r.error == "closed" for r in results)
     # After close, submit fails at once.
