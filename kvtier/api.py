@@ -33,7 +33,7 @@ from kvtier.context import RequestContext
 from kvtier.errors import ConfigError
 from kvtier.keys import BlockHasher, chunk_keys
 from kvtier.layout import KVGeometry
-from kvtier.manager import PRIMARY_LABEL, TieringManager
+from kvtier.manager import PRIMARY_LABEL, TieringManager, load_spec
 from kvtier.stats import SIZE_BUCKETS, Histogram, HistogramSnapshot
 from kvtier.types import LookupResult
 
@@ -121,6 +121,7 @@ class Engine:
         if not math.isfinite(wait_timeout_s) or wait_timeout_s <= 0:
             raise ConfigError(f"wait_timeout_s: {wait_timeout_s!r} is invalid; expected a positive number")
         self.config = config
+        self.spec = load_spec(config)
         self.geometry = geometry
         self.device_kv = device_kv
         self.tp_rank = tp_rank
@@ -171,6 +172,10 @@ class Engine:
 
         if not self.config.secondary_tiers:
             return
+        if not self.spec.supports_tiers:
+            raise ConfigError(
+                f"secondary_tiers: spec {self.config.spec_name!r} does not take secondary tiers"
+            )
         backend = sniffio.current_async_library()
         run_fields = self.geometry.run_fields(self.blocks_per_chunk)
         for tier_cfg in self.config.secondary_tiers:
@@ -210,7 +215,7 @@ class Engine:
         for tier in self.tiers:
             tier.set_wakeup(self._wake)
             await tg.start(tier.run)
-        self.manager = TieringManager(self.host, self.tiers)
+        self.manager = self.spec.create_manager(self.host, self.tiers)
         if events is not None:
             from kvtier.events import EventTranslator, publisher_from_config
 
@@ -613,11 +618,6 @@ async def open(  # noqa: A001 - the public name is kvtier.open
     yielding). On exit every component is closed and joined.
     """
     engine_config = EngineConfig.coerce(config)
-    if engine_config.secondary_tiers and not engine_config.is_tiering:
-        raise ConfigError(
-            f"secondary_tiers: {len(engine_config.secondary_tiers)} tiers given but spec_name is "
-            f"{engine_config.spec_name!r}; use 'TieringOffloadingSpec' to enable secondary tiers"
-        )
     engine = Engine(engine_config, geometry, device_kv, tp_rank=tp_rank, hash_algorithm=hash_algorithm,
                     wait_timeout_s=wait_timeout_s, kv_events_enabled=events is not None)
     try:

@@ -23,6 +23,7 @@ invalidates it); after ``reset_cache`` no promotion starts until ``on_reset_flus
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import logging
 import time
@@ -31,14 +32,24 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvtier.context import RequestContext
+from kvtier.errors import ConfigError
 from kvtier.stats import LATENCY_BUCKETS, Histogram, HistogramSnapshot
 from kvtier.types import CacheHitSource, LookupResult, OffloadingEvent
 
 if TYPE_CHECKING:
+    from kvtier.config import EngineConfig
     from kvtier.tiers.base import JobResult, SecondaryTier
     from kvtier.tiers.cpu import HostTier, PrepareStoreOutput
 
-__all__ = ["TieringManager", "ManagerStatistics", "PRIMARY_LABEL"]
+__all__ = [
+    "TieringManager",
+    "ManagerStatistics",
+    "PRIMARY_LABEL",
+    "OffloadingSpec",
+    "CPUOffloadingSpec",
+    "TieringOffloadingSpec",
+    "load_spec",
+]
 
 logger = logging.getLogger("kvtier.manager")
 
@@ -388,3 +399,65 @@ class TieringManager:
 
 def iter_labels(tiers: Iterable[SecondaryTier]) -> list[str]:
     return [PRIMARY_LABEL, *(t.context.label for t in tiers)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Offloading specs: which manager stack a configuration builds (``spec_name``).
+# ---------------------------------------------------------------------------------------------
+class OffloadingSpec:
+    """Builds the manager for a configuration; selected by ``spec_name``.
+
+    The built-ins are :class:`CPUOffloadingSpec` (host tier only) and
+    :class:`TieringOffloadingSpec` (host tier + ``secondary_tiers``). An out-of-tree spec is a
+    subclass named by ``spec_name`` in the module ``spec_module_path``; it may, for example,
+    return a ``TieringManager`` subclass with its own admission rules.
+    """
+
+    #: Whether the spec accepts secondary tiers.
+    supports_tiers: bool = True
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+
+    def create_manager(self, host: HostTier, tiers: Sequence[SecondaryTier]) -> TieringManager:
+        return TieringManager(host, tiers)
+
+
+class CPUOffloadingSpec(OffloadingSpec):
+    """Host memory only."""
+
+    supports_tiers = False
+
+    def create_manager(self, host: HostTier, tiers: Sequence[SecondaryTier]) -> TieringManager:
+        assert not tiers, "CPUOffloadingSpec has no secondary tiers"
+        return TieringManager(host, ())
+
+
+class TieringOffloadingSpec(OffloadingSpec):
+    """Host memory plus the configured secondary tiers, asked in order."""
+
+
+_BUILTIN_SPECS: dict[str, type[OffloadingSpec]] = {
+    "CPUOffloadingSpec": CPUOffloadingSpec,
+    "TieringOffloadingSpec": TieringOffloadingSpec,
+}
+
+
+def load_spec(config: EngineConfig) -> OffloadingSpec:
+    """The spec named by ``config.spec_name`` (built-in, or a class in ``spec_module_path``)."""
+    cls = _BUILTIN_SPECS.get(config.spec_name)
+    if cls is None:
+        module_path = config.spec_module_path
+        try:
+            module = importlib.import_module(module_path or "")
+        except Exception as exc:  # ImportError, or any error the module raises while importing
+            raise ConfigError(
+                f"spec_module_path: cannot import {module_path!r} ({type(exc).__name__}: {exc})"
+            ) from exc
+        cls = getattr(module, config.spec_name, None)
+        if not (isinstance(cls, type) and issubclass(cls, OffloadingSpec)):
+            raise ConfigError(
+                f"spec_name: {config.spec_name!r} is not an OffloadingSpec subclass in {module_path!r}"
+            )
+        logger.warning("using out-of-tree offloading spec %s from %s", config.spec_name, module_path)
+    return cls(config)

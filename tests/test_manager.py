@@ -182,3 +182,32 @@ async def test_failed_cascade_is_counted_and_unpins() -> None:
         assert manager.statistics().cascade_job_failures["1:faulty"] == 1
         assert manager.host.statistics().pinned_slots == 0
         assert manager.host.lookup(key(1)) is LookupResult.HIT
+
+
+def test_spec_name_selects_builtin_and_out_of_tree_specs(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    from kvtier.errors import ConfigError
+    from kvtier.manager import CPUOffloadingSpec, TieringOffloadingSpec, load_spec
+
+    assert isinstance(load_spec(EngineConfig.from_dict({"cpu_bytes_to_use": SLOT})), CPUOffloadingSpec)
+    tiering = EngineConfig.from_dict({"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": SLOT})
+    assert isinstance(load_spec(tiering), TieringOffloadingSpec)
+    (tmp_path / "my_specs.py").write_text(
+        "from kvtier.manager import TieringManager, TieringOffloadingSpec\n"
+        "class CountingManager(TieringManager):\n"
+        "    pass\n"
+        "class MySpec(TieringOffloadingSpec):\n"
+        "    def create_manager(self, host, tiers):\n"
+        "        return CountingManager(host, tiers)\n"
+        "NotASpec = object\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    custom = EngineConfig.from_dict({"spec_name": "MySpec", "spec_module_path": "my_specs", "cpu_bytes_to_use": SLOT})
+    spec = load_spec(custom)
+    host = HostTier(1, SLOT)
+    assert type(spec.create_manager(host, [])).__name__ == "CountingManager"
+    with pytest.raises(ConfigError, match="not an OffloadingSpec"):
+        load_spec(EngineConfig.from_dict({"spec_name": "NotASpec", "spec_module_path": "my_specs",
+                                          "cpu_bytes_to_use": SLOT}))
+    with pytest.raises(ConfigError, match="cannot import"):
+        load_spec(EngineConfig.from_dict({"spec_name": "X", "spec_module_path": "no_such_module_kv",
+                                          "cpu_bytes_to_use": SLOT}))
