@@ -101,3 +101,15 @@ def test_missing_class_is_a_config_error(plugin_module: str) -> None:
 def test_unknown_type_without_module_path_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]\.type"):
         SecondaryTierFactory.create(config("nope"), context())
+
+
+def test_p2p_is_validated_but_refused_with_a_clear_error() -> None:
+    from kvtier.config import EngineConfig
+    from kvtier.errors import ConfigError
+    from kvtier.tiers.factory import SecondaryTierFactory
+
+    config = EngineConfig.from_dict({"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1 << 20,
+                                     "secondary_tiers": [{"type": "p2p", "port": 5710}]})
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].type = 'p2p'.*not available"):
+        SecondaryTierFactory.get_class("p2p", where="secondary_tiers[0]")
+    assert config.secondary_tiers[0].type == "p2p"
