@@ -16,11 +16,14 @@ import asyncio
 import os
 import random
 import sys
+from pathlib import Path
 
 import torch
 
-import kvtier
-from kvtier import KVGeometry
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import kvtier  # noqa: E402
+from kvtier import KVGeometry  # noqa: E402
 
 BLOCK = 16
 GEOMETRY = KVGeometry("example/model", num_layers=4, num_kv_heads=4, head_dim=64, dtype="float16", block_size=BLOCK)
@@ -38,7 +41,7 @@ def config(store: dict[str, str]) -> dict:
     }
 
 
-async def run(store: dict[str, str]) -> None:
+async def run(store: dict[str, str]) -> bool:
     tokens = [random.Random(0).randrange(1, 32000) for _ in range(6 * BLOCK)]
     kv_a, kv_b = device_kv(), device_kv()
     for layer in kv_a:
@@ -52,6 +55,7 @@ async def run(store: dict[str, str]) -> None:
         same = all(torch.equal(a[:6], b[10:16]) for a, b in zip(kv_a, kv_b))
         print(f"engine B loaded {outcome.tokens} tokens, by tier {dict(outcome.tokens_by_tier)}; "
               f"bytes identical: {same}")
+    return same and outcome.tokens == len(tokens)
 
 
 def main() -> None:
@@ -79,10 +83,12 @@ def main() -> None:
     else:
         store["endpoint_override"] = args.endpoint
     try:
-        asyncio.run(run(store))
+        ok = asyncio.run(run(store))
     finally:
         if server is not None:
             server.stop()
+    if not ok:
+        raise SystemExit("the chunks loaded by engine B differ from what engine A stored")
 
 
 if __name__ == "__main__":

@@ -301,12 +301,17 @@ class Engine:
         box: list[CopyResult] = []
         self._copy_waiters[job_id] = (done, box)
         self.copy_engine.submit(CopyJob(job_id, direction, slot_ids, block_ids))
-        try:
-            while not done.is_set():
-                await self._wait_progress(anyio.current_time() + 1.0)
-                self._dispatch()
-        finally:
-            self._copy_waiters.pop(job_id, None)
+        # Shielded: the copy cannot be recalled once submitted, and the caller releases the host
+        # slots (and may reuse the device blocks) as soon as this returns — so even a cancelled
+        # caller waits for the copy's result. Copies are bounded (a few ms); the copy engine
+        # reports every job exactly once, also when it is closed.
+        with anyio.CancelScope(shield=True):
+            try:
+                while not done.is_set():
+                    await self._wait_progress(anyio.current_time() + 1.0)
+                    self._dispatch()
+            finally:
+                self._copy_waiters.pop(job_id, None)
         result = box[0]
         self._copy_counters.record(direction, result)
         return result

@@ -13,6 +13,8 @@ Use from a test module (or from conftest)::
 
 from __future__ import annotations
 
+import logging
+
 import os
 import socket
 import time
@@ -70,6 +72,8 @@ class S3Server:
 
         if self._server is not None:
             return self
+        # werkzeug logs every request at INFO; keep test and example output readable.
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)
         deadline = time.monotonic() + 5.0
         while True:  # the port may linger briefly after a stop
             server = ThreadedMotoServer(ip_address=self.host, port=self.port, verbose=False)
