@@ -27,7 +27,7 @@ class RequestContext:
     combination raises :class:`kvtier.RequestError`).
     """
 
-    __slots__ = ("req_id", "kv_transfer_params", "_params", "_state", "_positions")
+    __slots__ = ("req_id", "kv_transfer_params", "_params", "_state", "_positions", "_looked_up")
 
     def __init__(self, req_id: str, kv_transfer_params: Mapping[str, Any] | None = None) -> None:
         self.req_id = req_id
@@ -35,6 +35,7 @@ class RequestContext:
         self._params: RequestParams | None = None
         self._state: dict[type, Any] = {}
         self._positions: dict[bytes, int] = {}
+        self._looked_up: dict[str, set[bytes]] = {}
 
     @property
     def params(self) -> RequestParams:
@@ -60,6 +61,21 @@ class RequestContext:
 
     def get_offload_key_position(self, key: bytes) -> int | None:
         return self._positions.get(key)
+
+    # --- lookup accounting ---------------------------------------------------------------------
+    def first_lookup(self, tier_label: str, key: bytes) -> bool:
+        """True the first time this request looks ``key`` up in tier ``tier_label``.
+
+        Lookup metrics count each (tier, key) once per request, as vLLM's ``chunk_queries``: a
+        request that asks again while a promotion or probe is pending is not a new query.
+        """
+        seen = self._looked_up.get(tier_label)
+        if seen is None:
+            seen = self._looked_up[tier_label] = set()
+        if key in seen:
+            return False
+        seen.add(key)
+        return True
 
     def __repr__(self) -> str:
         return f"RequestContext(req_id={self.req_id!r})"

@@ -147,10 +147,12 @@ class TieringManager:
         """
         if not self._polled_this_step:
             self.poll()
-        self._primary_lookups += 1
         result = self.host.lookup(key)
-        if result is LookupResult.HIT or result is LookupResult.HIT_PENDING:
-            self._primary_hits += 1
+        hit = result is LookupResult.HIT or result is LookupResult.HIT_PENDING
+        if ctx.first_lookup(PRIMARY_LABEL, key):
+            self._primary_lookups += 1
+            self._primary_hits += hit
+        if hit:
             return result
         if self._promotions_held or not self.tiers:
             return LookupResult.MISS

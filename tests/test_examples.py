@@ -56,7 +56,9 @@ EXPECTED: dict[str, list[tuple[tuple[str, ...], tuple[str, ...]]]] = {
     ))],
     "custom_tier.py": [((), (
         "tier 1:ZlibMemoryTier: ZlibMemoryTier from custom_tier",
-        "tokens by source {'0:primary': 64, '1:ZlibMemoryTier': 128}; bytes identical: True",
+        # how many come from host vs tier depends on cascade timing; all 12 must come back intact
+        "loaded all 12 prompts back",
+        "bytes identical: True",
         "custom_tier: promotions from the out-of-tree tier were byte-identical",
     ))],
     "embed_async_server.py": [
