@@ -149,7 +149,8 @@ class Engine:
         self.publisher: Any = None
         self.translator: Any = None
         self.metrics: Any = None
-        self._metrics_server: Any = None
+        #: The ``/metrics`` HTTP server when ``metrics=`` was given (``.host``, ``.port``).
+        self.metrics_server: Any = None
 
     # ------------------------------------------------------------------ construction
     def _build_host(self) -> None:
@@ -245,7 +246,7 @@ class Engine:
             port = metrics.get("port", 9464)
             if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
                 raise ConfigError(f"metrics.port: {port!r} is invalid; expected an int in [0, 65535]")
-            self._metrics_server = serve_metrics(
+            self.metrics_server = serve_metrics(
                 self.metrics.registry, host=str(metrics.get("host", "127.0.0.1")), port=port
             )
 
@@ -593,8 +594,8 @@ class Engine:
                     await self.publisher.aclose()
                 except Exception as exc:  # noqa: BLE001
                     errors.append(exc)
-            if self._metrics_server is not None:
-                self._metrics_server.close()
+            if self.metrics_server is not None:
+                self.metrics_server.close()
         if not errors:
             # Keep the host buffer alive if a tier failed to close: it may still touch it.
             self.host.close()

@@ -16,7 +16,6 @@ batch arrived every batch of the workload has too.
 from __future__ import annotations
 
 import random
-import socket
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -424,12 +423,6 @@ async def test_full_event_queue_drops_batches_without_blocking_stores(monkeypatc
 # ------------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
@@ -473,10 +466,9 @@ async def test_scraped_metrics_count_the_scripted_workload_exactly(tmp_path: Pat
     unknown = prompts(1, BLOCK, seed=42)[0]
     config_a = tiering_config(4, [fs_tier(tmp_path)])
     config_b = {"cpu_bytes_to_use": 8 * SLOT_BYTES}
-    port_a, port_b = free_port(), free_port()
     async with (
-        kvtier.open(config_a, geometry(), device_kv(), metrics={"host": "127.0.0.1", "port": port_a}) as a,
-        kvtier.open(config_b, geometry(), device_kv(), metrics={"host": "127.0.0.1", "port": port_b}) as b,
+        kvtier.open(config_a, geometry(), device_kv(), metrics={"host": "127.0.0.1", "port": 0}) as a,
+        kvtier.open(config_b, geometry(), device_kv(), metrics={"host": "127.0.0.1", "port": 0}) as b,
     ):
         # Engine A: 6 stores (each cascaded to fs, drained so nothing is in flight) into 4 host slots.
         for i, p in enumerate(ps):
@@ -493,8 +485,9 @@ async def test_scraped_metrics_count_the_scripted_workload_exactly(tmp_path: Pat
         for i, p in enumerate(ps[:3]):
             assert await b.store(p, [i]) == BLOCK
         assert await b.load(ps[0], [8]) == BLOCK
-        samples_a = await anyio.to_thread.run_sync(scrape, port_a)
-        samples_b = await anyio.to_thread.run_sync(scrape, port_b)
+        assert a.metrics_server.port != b.metrics_server.port
+        samples_a = await anyio.to_thread.run_sync(scrape, a.metrics_server.port)
+        samples_b = await anyio.to_thread.run_sync(scrape, b.metrics_server.port)
 
     assert value(samples_a, "kvtier_tier_evictions_total", tier="0:primary") == 4
     assert tier_values(samples_a, "1:fs") == {
@@ -538,9 +531,8 @@ async def test_primary_chunk_queries_count_each_key_once_per_request(tmp_path: P
     """
     ps = prompts(2, BLOCK, seed=51)
     unknown = prompts(1, BLOCK, seed=52)[0]
-    port = free_port()
     config = tiering_config(1, [fs_tier(tmp_path)])
-    async with kvtier.open(config, geometry(), device_kv(), metrics={"host": "127.0.0.1", "port": port}) as engine:
+    async with kvtier.open(config, geometry(), device_kv(), metrics={"host": "127.0.0.1", "port": 0}) as engine:
         for i, p in enumerate(ps):
             assert await engine.store(p, [i]) == BLOCK
             await engine.drain()
@@ -548,7 +540,7 @@ async def test_primary_chunk_queries_count_each_key_once_per_request(tmp_path: P
         assert await engine.load(ps[1], [4]) == BLOCK  # 1 primary query, 1 hit
         assert await engine.load(ps[0], [5]) == BLOCK  # 1 primary query (miss), 1 fs query + hit
         assert await engine.load(unknown, [6]) == 0  # 1 primary query (miss), 1 fs query (miss)
-        samples = await anyio.to_thread.run_sync(scrape, port)
+        samples = await anyio.to_thread.run_sync(scrape, engine.metrics_server.port)
     assert tier_values(samples, "1:fs") == {
         "queries": 2, "hits": 1, "read_bytes": SLOT_BYTES, "write_bytes": 2 * SLOT_BYTES, "evictions": 0,
     }
