@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvtier.tiers.base import SecondaryTier
-    from kvtier.tiers.copy_engine import CopyEngine, CopyResult
+    from kvtier.tiers.copy_engine import CopyEngine, CopyResult, Direction
     from kvtier.tiers.cpu import HostTier
 
 __all__ = ["Engine", "LoadOutcome", "open", "start_in_thread", "ThreadedEngine", "CopyStatistics"]
@@ -292,7 +292,7 @@ class Engine:
             return
         self.publisher.publish(self.translator.translate(events))
 
-    async def _copy(self, direction: str, slot_ids: list[int], block_ids: list[int]) -> CopyResult:
+    async def _copy(self, direction: Direction, slot_ids: list[int], block_ids: list[int]) -> CopyResult:
         from kvtier.tiers.copy_engine import CopyJob
 
         if self.copy_engine is None:

@@ -618,12 +618,12 @@ def publisher_from_config(events_cfg: Mapping[str, Any]) -> ZmqEventPublisher:
             raise ConfigError(f"events.{key}: expected {names}, got {type(value).__name__}")
         if key in _INT_BOUNDS:
             low, high = _INT_BOUNDS[key]
-            if not low <= value <= high:
+            if not isinstance(value, int) or not low <= value <= high:
                 raise ConfigError(f"events.{key}: {value} is outside [{low}, {high}]")
-        if key in ("endpoint", "replay_endpoint") and value is not None:
+        if key in ("endpoint", "replay_endpoint") and isinstance(value, str):
             if not value.startswith(_ENDPOINT_SCHEMES) or len(value) > 1024:
                 raise ConfigError(f"events.{key}: {value[:80]!r} is not a tcp://, ipc:// or inproc:// endpoint")
-        if key == "topic" and len(value.encode()) > 255:
+        if key == "topic" and isinstance(value, str) and len(value.encode()) > 255:
             raise ConfigError("events.topic: longer than 255 bytes")
         kwargs[key] = value
     return ZmqEventPublisher(**kwargs)

@@ -81,6 +81,6 @@ class MetricFamily:
     def observe(self, value: float, *label_values: str) -> None:
         assert self.kind == "histogram"
         hist = self.values.get(label_values)
-        if hist is None:
+        if not isinstance(hist, Histogram):
             hist = self.values[label_values] = Histogram(self.buckets)
-        hist.observe(value)  # type: ignore[union-attr]
+        hist.observe(value)

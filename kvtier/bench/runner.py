@@ -366,6 +366,8 @@ async def run_plan(
     references = ReferenceLogits(model)
     by_point: dict[int, list[RunResult]] = {}
     for n in plan.conversations:
-        by_point[n] = await run_point(plan, plan.strategies, n, model, references,
-                                      lambda name, n=n: on_request(name, n))
+        def progress(name: str, n: int = n) -> None:
+            on_request(name, n)
+
+        by_point[n] = await run_point(plan, plan.strategies, n, model, references, progress)
     return [by_point[n][i] for i in range(len(plan.strategies)) for n in plan.conversations]

@@ -130,7 +130,7 @@ class _CopyPlan:
         if isinstance(device_kv, torch.Tensor):
             self.cross_layer = True
             tensors = [device_kv]
-            expected = ("num_blocks", self.num_layers, *page)
+            expected: tuple[str | int, ...] = ("num_blocks", self.num_layers, *page)
         else:
             self.cross_layer = False
             tensors = list(device_kv)

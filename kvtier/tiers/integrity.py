@@ -115,7 +115,7 @@ def classify_size(size: int, slot_bytes: int) -> SizeClass:
     return SizeClass.SHORT if size < slot_bytes + TRAILER_PAGE else SizeClass.LONG
 
 
-def verify(payload: memoryview | bytes, trailer_page: memoryview | bytes | None) -> Verdict:
+def verify(payload: memoryview | bytes, trailer_page: memoryview | bytes | bytearray | None) -> Verdict:
     """Check ``payload`` against the trailer at the end of ``trailer_page``.
 
     ``trailer_page`` is ``None`` for a raw (trailer-less) chunk whose size already matched:

@@ -60,7 +60,7 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import anyio
@@ -215,8 +215,8 @@ class ObjectStoreTier(SecondaryTier):
     def __init__(self, config: TierConfig, context: TierContext, **tunables: Any) -> None:
         options = config.options
         where = f"secondary_tiers[{context.index}]"
-        store = options.get("store_config")
-        if not isinstance(store, dict) and not hasattr(store, "get"):
+        store: Mapping[str, Any] | None = options.get("store_config")
+        if store is None or not hasattr(store, "get"):
             raise ConfigError(f"{where}.store_config is required for an obj tier")
         self.bucket: str = str(store.get("bucket") or "")
         endpoint = str(store.get("endpoint_override") or "")

@@ -42,7 +42,7 @@ class SlotBuffer:
             self._mmap = mmap.mmap(-1, num_slots * slot_bytes)
             self.array = np.frombuffer(self._mmap, dtype=np.uint8).reshape(num_slots, slot_bytes)
             self.tensor = torch.from_numpy(self.array)
-        self._view = memoryview(self.array.reshape(-1)).cast("B")
+        self._view = memoryview(self.array.reshape(-1).data).cast("B")
 
     @property
     def nbytes(self) -> int:
