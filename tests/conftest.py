@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+# The moto S3 server fixtures (s3_server, s3_bucket, dummy_aws_env) for the object-store tests.
+pytest_plugins = ("s3server",)
+
 
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:

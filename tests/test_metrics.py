@@ -7,7 +7,7 @@ the secondary tiers, the manager, the copy engine and the event publisher provid
 from __future__ import annotations
 
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 

@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from s3server import DUMMY_ACCESS_KEY, DUMMY_SECRET_KEY, S3Server, dummy_aws_env, s3_bucket, s3_server  # noqa: F401
+from s3server import DUMMY_ACCESS_KEY, DUMMY_SECRET_KEY, S3Server
 
 import kvtier
 from kvtier import ConfigError, KVGeometry
