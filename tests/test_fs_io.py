@@ -272,3 +272,89 @@ async def test_closed_pool_refuses_tasks_and_joins_its_threads() -> None:
 def test_pool_needs_workers_in_both_groups() -> None:
     with pytest.raises(ValueError):
         DualQueuePool(0, 1)
+
+
+@pytest.mark.anyio
+async def test_batch_returns_one_outcome_per_call_and_failures_do_not_stop_the_others() -> None:
+    pool = DualQueuePool(2, 2)
+    pool.start()
+    try:
+        outcomes = await pool.run_batch(IOQueue.WRITE, lambda x: 10 // x, [(5,), (0,), (2,)])
+    finally:
+        await pool.aclose()
+    assert [o.value for o in outcomes] == [2, None, 5]
+    assert outcomes[0].error is None and isinstance(outcomes[1].error, ZeroDivisionError)
+    assert pool.statistics().completed == 3
+
+
+@pytest.mark.anyio
+async def test_a_batch_runs_its_calls_in_parallel_across_both_worker_groups() -> None:
+    pool = DualQueuePool(1, 3)
+    barrier = threading.Barrier(4, timeout=10)  # only passes if all four calls run at once
+    pool.start()
+    try:
+        outcomes = await pool.run_batch(IOQueue.READ, barrier.wait, [()] * 4)
+    finally:
+        await pool.aclose()
+    assert all(o.error is None for o in outcomes)
+
+
+@pytest.mark.anyio
+async def test_a_batch_wakes_the_loop_once_not_once_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = DualQueuePool(2, 2)
+    dispatches: list[int] = []
+    real_dispatch = pool._dispatch
+
+    def counting_dispatch() -> None:
+        dispatches.append(1)
+        real_dispatch()
+
+    monkeypatch.setattr(pool, "_dispatch", counting_dispatch)
+    pool.start()
+    try:
+        outcomes = await pool.run_batch(IOQueue.READ, lambda i: i, [(i,) for i in range(64)])
+    finally:
+        await pool.aclose()
+    assert [o.value for o in outcomes] == list(range(64))
+    assert len(dispatches) == 2  # the batch's wake-up, and the final sweep of aclose
+
+
+@pytest.mark.anyio
+async def test_cancelling_a_batch_withdraws_queued_calls_and_waits_for_running_ones() -> None:
+    pool = DualQueuePool(1, 1)
+    started, release = threading.Barrier(3, timeout=10), threading.Event()
+    ran: list[int] = []
+
+    def call(i: int) -> None:
+        if i < 2:
+            started.wait()  # the first two occupy both workers
+            release.wait(10)
+        ran.append(i)
+
+    pool.start()
+    try:
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(pool.run_batch, IOQueue.WRITE, call, [(i,) for i in range(6)])
+                await anyio.to_thread.run_sync(started.wait)
+                assert pool.statistics().queued_writes == 4
+                scope.cancel()
+                with anyio.CancelScope(shield=True):
+                    with anyio.fail_after(5):  # hang guard: the queued calls are withdrawn
+                        while pool.statistics().queued_writes:
+                            await anyio.sleep(0.001)
+                release.set()
+        assert sorted(ran) == [0, 1]  # returned only after the running calls finished
+        assert pool.statistics().queued_writes == 0
+    finally:
+        await pool.aclose()
+    assert sorted(ran) == [0, 1]
+
+
+@pytest.mark.anyio
+async def test_closed_pool_refuses_batches() -> None:
+    pool = DualQueuePool(1, 1)
+    pool.start()
+    await pool.aclose()
+    with pytest.raises(anyio.ClosedResourceError):
+        await pool.run_batch(IOQueue.READ, lambda: None, [()])

@@ -462,6 +462,37 @@ async def test_unbounded_tier_warns_once_at_start(tmp_path: Path, caplog: pytest
     assert sum("without limit" in r.getMessage() for r in caplog.records) == 1
 
 
+@pytest.mark.anyio
+async def test_unbounded_warning_is_logged_once_per_directory_not_per_open(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    for _ in range(3):  # e.g. a benchmark opening many engines on one root
+        async with running(make_tier(tmp_path / "a", None)):
+            pass
+    async with running(make_tier(tmp_path / "b", None)):
+        pass
+    warnings = [r.getMessage() for r in caplog.records if "without limit" in r.getMessage()]
+    assert len(warnings) == 2
+    assert str(tmp_path / "a") in warnings[0] and str(tmp_path / "b") in warnings[1]
+
+
+@pytest.mark.anyio
+async def test_a_job_is_handed_to_the_pool_as_one_batch(tmp_path: Path, host: SlotBuffer) -> None:
+    tier = make_tier(tmp_path, host)
+    batches: list[int] = []
+    real = tier._pool.run_batch
+
+    async def spy(queue: Any, fn: Any, arg_tuples: Any) -> Any:
+        batches.append(len(arg_tuples))
+        return await real(queue, fn, arg_tuples)
+
+    tier._pool.run_batch = spy  # type: ignore[method-assign]
+    async with running(tier):
+        assert (await store(tier, host, range(8))).success
+        assert (await load(tier, range(8))).success
+    assert batches == [8, 8]
+
+
 # --- faults ----------------------------------------------------------------------------------------
 
 

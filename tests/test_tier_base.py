@@ -601,3 +601,159 @@ async def test_concurrent_stores_of_one_key_never_overlap_in_write() -> None:
         assert all(r.success for r in tier.get_finished_jobs())
         await tier.aclose()
     assert tier.max_writers == 1
+
+
+# --- batch hooks (write_many / read_many) ----------------------------------------------------
+class BatchTier(DictTier):
+    """Takes whole jobs through the batch hooks; per-key primitives must not be used."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.batches: list[tuple[str, list[bytes]]] = []
+        self.gate: anyio.Event | None = None
+        self.in_batch: Counter[bytes] = Counter()
+        self.max_concurrent_writes_of_a_key = 0
+        self.batch_error: Exception | None = None
+        self.short_answer = False
+
+    async def write(self, key: bytes, src: memoryview) -> None:
+        raise AssertionError("the framework must call write_many")
+
+    async def read(self, key: bytes, dst: memoryview) -> None:
+        raise AssertionError("the framework must call read_many")
+
+    async def write_many(self, items: Sequence[tuple[bytes, memoryview]]) -> Sequence[BaseException | None]:
+        self.batches.append(("write", [key for key, _ in items]))
+        for key, _ in items:
+            self.in_batch[key] += 1
+            self.max_concurrent_writes_of_a_key = max(self.max_concurrent_writes_of_a_key, self.in_batch[key])
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            if self.batch_error is not None:
+                raise self.batch_error
+            outcomes: list[BaseException | None] = []
+            for key, src in items:
+                try:
+                    await DictTier.write(self, key, src)
+                    outcomes.append(None)
+                except Exception as exc:
+                    outcomes.append(exc)
+            return outcomes[:-1] if self.short_answer else outcomes
+        finally:
+            for key, _ in items:
+                self.in_batch[key] -= 1
+
+    async def read_many(self, items: Sequence[tuple[bytes, memoryview]]) -> Sequence[BaseException | None]:
+        self.batches.append(("read", [key for key, _ in items]))
+        outcomes: list[BaseException | None] = []
+        for key, dst in items:
+            try:
+                await DictTier.read(self, key, dst)
+                outcomes.append(None)
+            except Exception as exc:
+                outcomes.append(exc)
+        return outcomes
+
+
+async def run_jobs(tier: SecondaryTier, *jobs: TransferJob) -> list[JobResult]:
+    async with anyio.create_task_group() as tg:
+        await tg.start(tier.run)
+        for job in jobs:
+            (tier.submit_load if job.is_promotion else tier.submit_store)(job)
+        await tier.drain()
+        results = tier.get_finished_jobs()
+        await tier.aclose()
+    return sorted(results, key=lambda r: r.job_id)
+
+
+@pytest.mark.anyio
+async def test_a_tier_with_batch_hooks_gets_each_job_in_one_call() -> None:
+    tier = BatchTier(make_config(), make_context())
+    keys = [bytes([i]) for i in range(8)]
+    for i in range(8):
+        tier.context.host.view(i)[:] = bytes([i]) * SLOT  # type: ignore[union-attr]
+    [stored] = await run_jobs(tier, store(1, keys))
+    loaded = await run_jobs(BatchTier(make_config(), make_context()), load(2, keys))
+    assert stored.success and stored.transfer_bytes == 8 * SLOT
+    assert tier.batches == [("write", keys)]
+    assert tier.data == {bytes([i]): bytes([i]) * SLOT for i in range(8)}
+    assert tier.statistics().bytes_written == 8 * SLOT and tier.statistics().stores_completed == 1
+    assert loaded[0].failure_reason == "missing"  # a fresh tier holds nothing
+
+
+@pytest.mark.anyio
+async def test_batch_read_outcomes_drive_partial_promotion_and_reasons() -> None:
+    tier = BatchTier(make_config(), make_context())
+    tier.data = {b"a": b"A" * SLOT, b"c": b"C" * SLOT}
+    tier.read_errors = {b"c": ChunkCorrupt()}
+    [result] = await run_jobs(tier, load(1, [b"a", b"b", b"c", b"d"]))
+    assert tier.batches == [("read", [b"a", b"b", b"c", b"d"])]
+    assert not result.success and result.successful_keys == [b"a"]
+    assert result.failure_reason == "missing"  # the first failing chunk's reason
+    assert result.transfer_bytes == SLOT
+    assert tier.statistics().failures == {("load", "missing"): 1}
+    assert tier.lookup(b"c") is LookupResult.MISS  # corrupt: removed, verdict invalidated
+
+
+@pytest.mark.anyio
+async def test_a_failing_batch_fails_every_chunk_with_its_reason() -> None:
+    tier = BatchTier(make_config(), make_context())
+    tier.batch_error = TierIOError("throttled")
+    [result] = await run_jobs(tier, store(1, [b"a", b"b"]))
+    assert not result.success and result.failure_reason == "throttled" and result.transfer_bytes == 0
+
+
+@pytest.mark.anyio
+async def test_a_batch_answer_of_the_wrong_length_is_an_internal_error(caplog: pytest.LogCaptureFixture) -> None:
+    tier = BatchTier(make_config(), make_context())
+    tier.short_answer = True
+    [result] = await run_jobs(tier, store(1, [b"a", b"b"]))
+    assert not result.success and result.failure_reason == "internal"
+    assert any(r.exc_info and "2 chunks" in str(r.exc_info[1]) for r in caplog.records)
+
+
+@pytest.mark.anyio
+async def test_batched_stores_never_write_one_key_twice_at_once() -> None:
+    tier = BatchTier(make_config(), make_context())
+    tier.gate = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        await tg.start(tier.run)
+        for j in range(4):  # every job holds "same"; job 3 holds it twice
+            keys = [b"same", bytes([j])] + ([b"same"] if j == 3 else [])
+            tier.submit_store(store(j, keys, list(range(len(keys)))))
+        await anyio.wait_all_tasks_blocked()
+        tier.gate.set()
+        await tier.drain()
+        results = tier.get_finished_jobs()
+        await tier.aclose()
+    assert sorted(r.job_id for r in results) == [0, 1, 2, 3] and all(r.success for r in results)
+    assert tier.max_concurrent_writes_of_a_key == 1
+    assert sum(keys.count(b"same") for _, keys in tier.batches) == 5  # each occurrence written once
+
+
+@pytest.mark.anyio
+async def test_aclose_cancels_a_running_batch_and_reports_the_job_once() -> None:
+    tier = BatchTier(make_config(), make_context())
+    tier.gate = anyio.Event()  # never set: the batch hangs until cancelled
+    async with anyio.create_task_group() as tg:
+        await tg.start(tier.run)
+        tier.submit_store(store(1, [b"a", b"b"]))
+        await anyio.wait_all_tasks_blocked()
+        with anyio.fail_after(5):
+            await tier.aclose()
+    assert [(r.job_id, r.failure_reason) for r in tier.get_finished_jobs()] == [(1, "cancelled")]
+    assert not tier.in_batch or max(tier.in_batch.values()) == 0
+
+
+@pytest.mark.anyio
+async def test_the_default_batch_hooks_fan_out_to_the_per_key_primitives() -> None:
+    tier = DictTier(make_config(), make_context())
+    tier.data = {b"a": b"A" * SLOT}
+    tier.write_errors = {b"bad": TierIOError("no_space")}
+    src = tier.context.host.view(0)  # type: ignore[union-attr]
+    outcomes = await tier.write_many([(b"x", src), (b"bad", src)])
+    assert outcomes[0] is None and isinstance(outcomes[1], TierIOError)
+    reads = await tier.read_many([(b"a", tier.context.host.view(1)), (b"zz", tier.context.host.view(2))])  # type: ignore[union-attr]
+    assert reads[0] is None and isinstance(reads[1], ChunkNotFound)
+    assert bytes(tier.context.host.view(1)) == b"A" * SLOT  # type: ignore[union-attr]

@@ -20,12 +20,32 @@ What a tier author writes (everything else is inherited)::
         async def delete(self, key) -> None: ...               # optional
         def known(self, key) -> bool | None: ...               # optional sync fast path
 
+        # optional batch hooks: take a whole job at once instead of one call per chunk
+        async def write_many(self, items: Sequence[tuple[bytes, memoryview]]) -> Sequence[BaseException | None]: ...
+        async def read_many(self, items: Sequence[tuple[bytes, memoryview]]) -> Sequence[BaseException | None]: ...
+
+Batch hooks: a tier whose I/O has a per-call cost worth amortising (a thread-pool hand-off per
+chunk, a round trip) overrides ``write_many`` and/or ``read_many``; the framework then calls it
+ONCE per job (per direction, independently) instead of ``write``/``read`` per chunk. ``items``
+are ``(key, slot view)`` pairs in job order; the hook returns one entry per item, co-indexed:
+``None`` for a chunk that succeeded, else the exception that chunk's ``write``/``read`` would
+have raised (same mapping to reasons, same ``ChunkCorrupt`` handling). A chunk's failure must not
+stop the others; the hook raises only for a failure of the whole batch (then every item fails
+with that exception's reason) or for cancellation (it must then return only once no thread
+touches the views any more). Everything else is unchanged: per-chunk results still drive
+partial promotion (``successful_keys``), reasons and statistics; the same-key guarantee holds (a
+batch never contains a key that another write — batched or not — is writing, and no key twice;
+duplicates and busy keys wait for a later call); ``aclose`` cancels the call. Parallelism inside
+a batch is the tier's business: ``max_concurrent_loads``/``max_concurrent_stores`` then bound
+the number of *jobs* in flight, not chunks. The per-key ``write``/``read`` stay required (the
+simple path, and what the base's default ``write_many``/``read_many`` fan out to).
+
 Preconditions guaranteed by the framework:
   * ``src``/``dst`` are views of exactly one host slot (``slot_bytes`` long, page aligned), pinned
     by the manager for the whole job: nothing else writes ``src`` or reads ``dst`` meanwhile.
   * ``write``/``read`` of one job's chunks may run concurrently (bounded per direction by
     ``max_concurrent_stores`` / ``max_concurrent_loads``); the same key is never written twice
-    at once by this process.
+    at once by this process (``write`` and ``write_many`` alike).
   * ``open`` runs before any other primitive; ``close`` runs once, after every worker finished
     (shielded from cancellation, bounded by ``close_timeout_s``).
   * ``contains`` runs under ``anyio.fail_after(lookup_timeout_s)``; a timeout or an exception
@@ -341,6 +361,9 @@ class SecondaryTier(abc.ABC):
         self.close_timeout_s = close_timeout_s
         self._verdict_cache_size = verdict_cache_size
         self._max_concurrent_lookups = max_concurrent_lookups
+        # Which directions the tier takes as whole jobs (see "Batch hooks" in the module doc).
+        self._batched_writes = type(self).write_many is not SecondaryTier.write_many
+        self._batched_reads = type(self).read_many is not SecondaryTier.read_many
 
         # Job channels: bounded, so a stalled tier pushes back instead of growing without limit.
         self._load_send: MemoryObjectSendStream[_JobRecord]
@@ -424,6 +447,39 @@ class SecondaryTier(abc.ABC):
         """Synchronous fast path of :meth:`lookup`: True/False if answerable now, else None."""
         return None
 
+    async def write_many(self, items: Sequence[tuple[bytes, memoryview]]) -> Sequence[BaseException | None]:
+        """Write a whole job's chunks; per item ``None`` or the chunk's exception (optional hook).
+
+        Overriding it makes the framework call it once per store job instead of :meth:`write`
+        per chunk (see "Batch hooks" in the module docstring). This default runs :meth:`write`
+        for every item concurrently.
+        """
+        return await self._fan_out(self.write, items)
+
+    async def read_many(self, items: Sequence[tuple[bytes, memoryview]]) -> Sequence[BaseException | None]:
+        """Read a whole job's chunks; per item ``None`` or the chunk's exception (optional hook).
+
+        Overriding it makes the framework call it once per load job instead of :meth:`read` per
+        chunk. This default runs :meth:`read` for every item concurrently.
+        """
+        return await self._fan_out(self.read, items)
+
+    @staticmethod
+    async def _fan_out(primitive: Callable[[bytes, memoryview], Any],
+                       items: Sequence[tuple[bytes, memoryview]]) -> list[BaseException | None]:
+        outcomes: list[BaseException | None] = [None] * len(items)
+
+        async def one(i: int, key: bytes, view: memoryview) -> None:
+            try:
+                await primitive(key, view)
+            except Exception as exc:
+                outcomes[i] = exc
+
+        async with anyio.create_task_group() as tg:
+            for i, (key, view) in enumerate(items):
+                tg.start_soon(one, i, key, view)
+        return outcomes
+
     # --- lookups -------------------------------------------------------------------------------
     def lookup(self, key: bytes, ctx: RequestContext | None = None) -> LookupResult:
         """HIT / MISS now, or RETRY while an asynchronous probe is outstanding. Never blocks.
@@ -438,23 +494,23 @@ class SecondaryTier(abc.ABC):
         if verdict is not None:
             if verdict.expires_at > self._verdict_clock():
                 self._verdicts.move_to_end(key)
-                return self._count_lookup(verdict.present)
+                return self._count_lookup(verdict.present, key, ctx)
             del self._verdicts[key]
         present = self.known(key)
         if present is not None:
-            return self._count_lookup(present)
+            return self._count_lookup(present, key, ctx)
         if self._tier_closing:
-            return self._count_lookup(False)
+            return self._count_lookup(False, key, ctx)
         if key not in self._probes_in_flight:
             self._probe_batch[key] = None
         return LookupResult.RETRY
 
-    def _count_lookup(self, present: bool) -> LookupResult:
-        self._lookup_count += 1
-        if present:
-            self._lookup_hits += 1
-            return LookupResult.HIT
-        return LookupResult.MISS
+    def _count_lookup(self, present: bool, key: bytes, ctx: RequestContext | None) -> LookupResult:
+        # Resolved lookups count once per (request, key), as vLLM's chunk_queries/chunk_hits.
+        if ctx is None or ctx.first_lookup(self.label, key):
+            self._lookup_count += 1
+            self._lookup_hits += present
+        return LookupResult.HIT if present else LookupResult.MISS
 
     def mark_miss(self, keys: Iterable[bytes]) -> None:
         """Force MISS verdicts for ``keys`` (for ``negative_ttl_s``); a probe sent later wins."""
@@ -588,9 +644,12 @@ class SecondaryTier(abc.ABC):
         reasons: list[str | None] = [None] * len(job.keys)
         started = time.monotonic()
         try:
-            async with anyio.create_task_group() as tg:
-                for i in range(len(job.keys)):
-                    tg.start_soon(self._run_chunk, record, i, reasons, limiter)
+            if self._batched_reads if job.is_promotion else self._batched_writes:
+                await self._run_batched(record, reasons)
+            else:
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(job.keys)):
+                        tg.start_soon(self._run_chunk, record, i, reasons, limiter)
             self._complete(record, reasons, time.monotonic() - started)
         finally:
             self._jobs_running[record.direction] -= 1
@@ -610,13 +669,84 @@ class SecondaryTier(abc.ABC):
                 else:
                     await self._write_exclusive(key, view)
         except Exception as exc:
-            reason = failure_reason(exc)
-            reasons[i] = reason
-            if reason == "internal":
-                logger.error("tier %s: %s of chunk %s failed", self.label, record.direction,
-                             key.hex()[:16], exc_info=exc)
-            elif isinstance(exc, ChunkCorrupt):
-                self.emit_removed([key], "corrupt")
+            self._chunk_failed(record, i, exc, reasons)
+
+    def _chunk_failed(self, record: _JobRecord, i: int, exc: BaseException, reasons: list[str | None]) -> None:
+        key = record.job.keys[i]
+        reason = failure_reason(exc)
+        reasons[i] = reason
+        if reason == "internal":
+            logger.error("tier %s: %s of chunk %s failed", self.label, record.direction,
+                         key.hex()[:16], exc_info=exc)
+        elif isinstance(exc, ChunkCorrupt):
+            self.emit_removed([key], "corrupt")
+
+    async def _run_batched(self, record: _JobRecord, reasons: list[str | None]) -> None:
+        """One job through the tier's ``read_many``/``write_many`` (same guarantees as per chunk)."""
+        job = record.job
+        host = self.context.host
+        if host is None:
+            for i in range(len(job.keys)):
+                self._chunk_failed(record, i, TierIOError("internal", "tier has no host buffer"), reasons)
+            return
+        views: list[memoryview] = []
+        pending: list[int] = []
+        for i, slot_id in enumerate(job.slot_ids):
+            try:
+                views.append(host.view(slot_id))
+                pending.append(i)
+            except Exception as exc:  # a bad slot id fails its chunk only, as on the per-chunk path
+                views.append(memoryview(b""))
+                self._chunk_failed(record, i, exc, reasons)
+        if job.is_promotion:
+            if pending:
+                await self._call_batch(record, self.read_many, pending, views, reasons)
+            return
+        # One writer per key: claim the job's free keys and write them as one batch; keys another
+        # job is writing (or repeated in this job) wait for the next round.
+        while pending:
+            ready: list[int] = []
+            waiting: list[int] = []
+            claimed: dict[bytes, anyio.Event] = {}
+            for i in pending:
+                key = job.keys[i]
+                if key in claimed or key in self._keys_being_written:
+                    waiting.append(i)
+                else:
+                    claimed[key] = self._keys_being_written[key] = anyio.Event()
+                    ready.append(i)
+            if ready:
+                try:
+                    await self._call_batch(record, self.write_many, ready, views, reasons)
+                finally:
+                    for key, done in claimed.items():
+                        del self._keys_being_written[key]
+                        done.set()
+            else:
+                busy = self._keys_being_written.get(job.keys[waiting[0]])
+                if busy is not None:
+                    await busy.wait()
+            pending = waiting
+
+    async def _call_batch(
+        self,
+        record: _JobRecord,
+        hook: Callable[[Sequence[tuple[bytes, memoryview]]], Any],
+        indices: list[int],
+        views: list[memoryview],
+        reasons: list[str | None],
+    ) -> None:
+        keys = record.job.keys
+        outcomes: Sequence[BaseException | None]
+        try:
+            outcomes = await hook([(keys[i], views[i]) for i in indices])
+            if len(outcomes) != len(indices):
+                raise ValueError(f"{hook.__name__}() returned {len(outcomes)} outcomes for {len(indices)} chunks")
+        except Exception as exc:  # the whole batch failed
+            outcomes = [exc] * len(indices)
+        for i, outcome in zip(indices, outcomes):
+            if outcome is not None:
+                self._chunk_failed(record, i, outcome, reasons)
 
     async def _write_exclusive(self, key: bytes, src: memoryview) -> None:
         # The manager may cascade the same key in two jobs at once (vLLM cascades every key

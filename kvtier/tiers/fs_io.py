@@ -23,7 +23,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -37,6 +37,7 @@ from kvtier.tiers.integrity import TRAILER_PAGE, TRAILER_SIZE, SizeClass, classi
 __all__ = [
     "IOQueue",
     "DualQueuePool",
+    "Outcome",
     "PoolStatistics",
     "probe_o_direct",
     "write_chunk",
@@ -164,12 +165,14 @@ def read_chunk(path: str, dst: memoryview, *, o_direct: bool) -> ReadOutcome:
         size_class = classify_size(size, len(dst))
         if size_class in (SizeClass.SHORT, SizeClass.LONG):
             return ReadOutcome(size_class, size)
-        if os.preadv(fd, [dst], 0) != len(dst):
-            return ReadOutcome(SizeClass.SHORT, size)
         if size_class is SizeClass.RAW:
+            if os.preadv(fd, [dst], 0) != len(dst):
+                return ReadOutcome(SizeClass.SHORT, size)
             return ReadOutcome(size_class, size)
+        # Payload and trailer page in ONE system call (both buffers are page aligned, so this
+        # also works with O_DIRECT): a syscall per chunk is measurable at page-cache speeds.
         page = _scratch_page()
-        if os.preadv(fd, [page], len(dst)) != TRAILER_PAGE:
+        if os.preadv(fd, [dst, page], 0) != len(dst) + TRAILER_PAGE:
             return ReadOutcome(SizeClass.SHORT, size)
         return ReadOutcome(size_class, size, bytes(page))
     finally:
@@ -282,16 +285,44 @@ class _State(enum.Enum):
     FINISHED = 2
 
 
-class _Task(Generic[T]):
-    __slots__ = ("fn", "args", "done", "state", "result", "error")
+class _Waitable:
+    """Something the loop awaits: one task, or a batch of tasks reported together."""
 
-    def __init__(self, fn: Callable[..., T], args: tuple[Any, ...], done: anyio.Event) -> None:
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+
+
+class _Task(_Waitable, Generic[T]):
+    __slots__ = ("fn", "args", "state", "result", "error", "batch")
+
+    def __init__(self, fn: Callable[..., T], args: tuple[Any, ...], batch: _Batch | None = None) -> None:
+        super().__init__()
         self.fn = fn
         self.args = args
-        self.done = done
         self.state = _State.QUEUED
         self.result: T | None = None
         self.error: BaseException | None = None
+        self.batch = batch
+
+
+class _Batch(_Waitable):
+    """Tasks submitted together; the loop is woken once, when the last one finished."""
+
+    __slots__ = ("remaining",)
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.remaining = size
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome(Generic[T]):
+    """One task's result in :meth:`DualQueuePool.run_batch`: ``error`` is None on success."""
+
+    value: T | None
+    error: BaseException | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,8 +340,13 @@ class DualQueuePool:
 
     A worker takes from its own queue when it is non-empty and otherwise *steals* from the other
     one, so a burst of stores never leaves the read workers idle (and vice versa) while each
-    direction keeps its reserved workers. One job's chunks are separate tasks, so they run in
-    parallel across workers.
+    direction keeps its reserved workers. Every task is queued separately, so the tasks of one
+    :meth:`run_batch` (one job's chunks) run in parallel across workers.
+
+    Hand-off to the event loop: a worker never waits for the loop. Finished work is collected
+    under the pool's lock and the loop is woken with a non-blocking ``run_sync_soon`` (asyncio
+    ``call_soon_threadsafe`` / trio ``run_sync_soon``), at most one wake-up pending at a time; a
+    batch wakes the loop once, not once per task.
 
     Lifecycle: :meth:`start` from the event-loop thread (it records the loop's token so workers
     can wake it on asyncio and trio alike), :meth:`aclose` once; the threads are owned by the pool
@@ -329,7 +365,7 @@ class DualQueuePool:
             IOQueue.READ: collections.deque(),
             IOQueue.WRITE: collections.deque(),
         }
-        self._finished: list[_Task[Any]] = []
+        self._finished: list[_Waitable] = []
         self._wake_pending = False
         self._running = 0
         self._completed = 0
@@ -358,7 +394,7 @@ class DualQueuePool:
         raises, no thread touches ``args`` any more. Raises ``anyio.ClosedResourceError`` after
         :meth:`aclose`.
         """
-        task: _Task[T] = _Task(fn, args, anyio.Event())
+        task: _Task[T] = _Task(fn, args)
         with self._cond:
             if self._stopping or not self._threads:
                 raise anyio.ClosedResourceError("I/O pool is not running")
@@ -378,6 +414,46 @@ class DualQueuePool:
             raise task.error
         return task.result  # type: ignore[return-value]
 
+    async def run_batch(self, queue: IOQueue, fn: Callable[..., T],
+                        arg_tuples: Sequence[tuple[Any, ...]]) -> list[Outcome[T]]:
+        """Run ``fn(*args)`` for every ``args`` of ``arg_tuples`` in parallel across workers.
+
+        Returns one :class:`Outcome` per call, co-indexed (a failing call does not stop the
+        others). The caller is woken ONCE, when the last call finished. Cancellation as in
+        :meth:`run`: queued calls are withdrawn and never run, running ones are waited for
+        (shielded), then the cancellation propagates — afterwards no thread touches any ``args``.
+        Raises ``anyio.ClosedResourceError`` after :meth:`aclose`.
+        """
+        if not arg_tuples:
+            return []
+        batch = _Batch(len(arg_tuples))
+        tasks: list[_Task[T]] = [_Task(fn, args, batch) for args in arg_tuples]
+        with self._cond:
+            if self._stopping or not self._threads:
+                raise anyio.ClosedResourceError("I/O pool is not running")
+            self._queues[queue].extend(tasks)
+            self._cond.notify(len(tasks))
+        try:
+            await batch.done.wait()
+        except BaseException:
+            with self._cond:
+                withdrawn = [t for t in tasks if t.state is _State.QUEUED]
+                if withdrawn:
+                    ids = {id(t) for t in withdrawn}
+                    q = self._queues[queue]
+                    kept = [t for t in q if id(t) not in ids]
+                    q.clear()
+                    q.extend(kept)
+                    for t in withdrawn:
+                        t.state = _State.FINISHED
+                    batch.remaining -= len(withdrawn)
+                outstanding = batch.remaining > 0
+            if outstanding:
+                with anyio.CancelScope(shield=True):
+                    await batch.done.wait()
+            raise
+        return [Outcome(t.result, t.error) for t in tasks]
+
     def statistics(self) -> PoolStatistics:
         with self._cond:
             return PoolStatistics(
@@ -392,8 +468,8 @@ class DualQueuePool:
     async def aclose(self) -> None:
         """Stop accepting tasks, fail the ones still queued, let running ones finish, join.
 
-        Joining happens off the event loop (workers need the loop to report completions).
-        Shielded from cancellation: the threads are always joined before this returns.
+        Joining happens off the event loop. Shielded from cancellation: the threads are always
+        joined before this returns.
         """
         with self._cond:
             self._stopping = True
@@ -402,7 +478,7 @@ class DualQueuePool:
                 q.clear()
             for t in leftovers:
                 t.error = anyio.ClosedResourceError("I/O pool closed before the task ran")
-                self._finished.append(t)
+                self._settle_locked(t)
             self._cond.notify_all()
         with anyio.CancelScope(shield=True):
             threads, self._threads = self._threads, []
@@ -426,32 +502,49 @@ class DualQueuePool:
                 task.result = task.fn(*task.args)
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
                 task.error = exc
-            self._finish(task)
+            with self._cond:
+                self._running -= 1
+                self._completed += 1
+                need_wake = self._settle_locked(task)
+            if need_wake:
+                self._wake_loop()
 
-    def _finish(self, task: _Task[Any]) -> None:
-        with self._cond:
-            self._running -= 1
-            self._completed += 1
+    def _settle_locked(self, task: _Task[Any]) -> bool:
+        """Record ``task`` as done (lock held); True when the caller must wake the loop."""
+        batch = task.batch
+        if batch is not None:
+            batch.remaining -= 1
+            if batch.remaining:
+                return False  # the batch's last task reports for all of them
+            self._finished.append(batch)
+        else:
             self._finished.append(task)
-            # Only the first finisher of a burst crosses into the loop; the others ride along.
-            need_wake = not self._wake_pending
-            self._wake_pending = True
-        if need_wake:
-            try:
-                anyio.from_thread.run_sync(self._dispatch, token=self._token)
-            except RuntimeError:
-                # The loop is gone (process shutting down); nobody awaits these tasks any more.
-                pass
+        if self._wake_pending:
+            return False  # a wake-up is already on its way and will collect this one too
+        self._wake_pending = True
+        return True
+
+    def _wake_loop(self) -> None:
+        token = self._token
+        if token is None:
+            return
+        try:
+            # Non-blocking: the worker goes straight back to the queue instead of waiting
+            # until the loop has run the dispatch (which ``from_thread.run_sync`` would do).
+            token.backend_class.run_sync_soon(self._dispatch, (), token.native_token)
+        except RuntimeError:  # anyio.RunFinishedError included
+            pass  # the loop is gone (process shutting down); nobody awaits these tasks any more
 
     def _dispatch(self) -> None:
-        """On the loop thread: wake the awaiters of every finished task."""
+        """On the loop thread: wake the awaiters of every finished task or batch."""
         with self._cond:
             finished, self._finished = self._finished, []
             self._wake_pending = False
-            for t in finished:
-                t.state = _State.FINISHED
-        for t in finished:
-            t.done.set()
+            for w in finished:
+                if isinstance(w, _Task):
+                    w.state = _State.FINISHED
+        for w in finished:
+            w.done.set()
 
 
 def _join_all(threads: list[threading.Thread]) -> None:
