@@ -336,7 +336,7 @@ async def test_writer_killed_mid_run_leaves_only_verifiable_files_and_startup_re
     tier = make_tier(tmp_path, host, stale_tmp_grace_s=60)
     async with running(tier):
         assert not stale.exists() and fresh.exists()
-        assert metric(tier, "kvtier_fs_stale_tmp_removed")[()] >= 1
+        assert metric(tier, "fs_stale_tmp_removed")[()] >= 1
         assert len(tier.index) == len(files)
 
 
@@ -379,7 +379,7 @@ async def test_every_corrupt_file_is_a_miss_is_removed_and_counted_by_reason(
             for slot, i in enumerate(chunk_ids):
                 # Rejected bytes never stay in the slot; good chunks are exact.
                 assert bytes(host.view(slot)) == (bytes(SLOT) if i in corrupted else expected(i))
-        rejected = metric(tier, "kvtier_fs_rejected_chunks")
+        rejected = metric(tier, "fs_rejected_chunks")
         assert rejected == {(r,): 25.0 for r in reasons}
         assert tier.statistics().failures[("load", "corrupt")] == 2
         assert await probe(tier, [key_of(i) for i in corrupted]) == [LookupResult.MISS] * 100
@@ -399,10 +399,10 @@ async def test_trailerless_file_of_exact_slot_size_loads_unverified_other_sizes_
     async with running(tier):
         good = await load(tier, [1])
         assert good.success and bytes(host.view(0)) == expected(1)
-        assert metric(tier, "kvtier_fs_unverified_loads")[()] == 1
+        assert metric(tier, "fs_unverified_loads")[()] == 1
         bad = await load(tier, [2, 3])
         assert not bad.success and bad.successful_keys == []
-        assert metric(tier, "kvtier_fs_rejected_chunks")[("short",)] == 2
+        assert metric(tier, "fs_rejected_chunks")[("short",)] == 2
     assert len(bin_files(tmp_path)) == 1
 
 

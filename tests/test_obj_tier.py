@@ -219,7 +219,7 @@ async def test_corrupt_object_is_a_miss_deleted_and_counted(s3_server: S3Server,
             client.head_object(Bucket=s3_bucket, Key=name)
         stats = tier.statistics()
         assert stats.failures[("load", "corrupt")] == 1
-        rejected = next(m for m in stats.custom_metrics if m.name == "kvtier_obj_rejected_chunks")
+        rejected = next(m for m in stats.custom_metrics if m.name == "obj_rejected_chunks")
         expected_reason = {"flip_byte": "checksum", "truncate": "short", "bad_trailer": "bad_trailer"}[damage]
         assert rejected.values[(expected_reason,)] == 1
         await tier.aclose()
@@ -464,7 +464,7 @@ async def test_throttling_and_5xx_are_retried_until_success(s3_server: S3Server,
 
     assert await tier._request(flaky, timeout=5.0, what="test") == "ok"
     assert calls == 3
-    retries = next(m for m in tier.statistics().custom_metrics if m.name == "kvtier_obj_request_retries")
+    retries = next(m for m in tier.statistics().custom_metrics if m.name == "obj_request_retries")
     assert retries.values[(reason,)] == 2
 
 

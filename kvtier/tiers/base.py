@@ -968,6 +968,8 @@ class SecondaryTier(abc.ABC):
                    labels: Sequence[str] = ()) -> MetricFamily:
         """Declare a tier-specific metric; it appears in :meth:`statistics` and is exported.
 
+        ``kvtier.metrics`` exports it as ``kvtier_tier_<name>`` with the ``tier`` label first, so
+        name it after the tier type without a ``kvtier_`` prefix (``fs_rejected_chunks``).
         Raises ``ValueError`` for a bad name/kind or a name already declared by this tier.
         """
         if not _METRIC_NAME.match(name):

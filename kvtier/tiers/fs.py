@@ -17,7 +17,7 @@ Semantics callers rely on:
   (size ``slot_bytes + 4096``). A trailer-less file of exactly ``slot_bytes`` (written by vLLM)
   is accepted as *unverified* and counted. Any other file is a miss: the slot is zeroed,
   :class:`ChunkCorrupt` is raised (so the manager frees the slot and the bytes never reach a
-  device), the file is removed and ``kvtier_fs_rejected_chunks_total{reason}`` counts why.
+  device), the file is removed and ``kvtier_tier_fs_rejected_chunks_total{tier, reason}`` counts why.
 * **Lookups never block**: :meth:`FileSystemTier.known` answers from the in-memory index (chunks
   this process wrote, loaded, probed or scanned); unknown keys are probed off-thread by
   :meth:`FileSystemTier.contains`, so chunks written by other processes are found.
@@ -353,18 +353,18 @@ class FileSystemTier(SecondaryTier):
         self._rescan_scope = anyio.CancelScope()
         self._rescan_done = anyio.Event()
         self._rejected = self.add_metric(
-            "kvtier_fs_rejected_chunks", "counter",
+            "fs_rejected_chunks", "counter",
             "Chunk files rejected on load and removed, by reason (short, long, bad_trailer, checksum).",
             ("reason",),
         )
         for reason in REJECT_REASONS:
             self._rejected.values[(reason,)] = 0.0
         self._unverified = self.add_metric(
-            "kvtier_fs_unverified_loads", "counter",
+            "fs_unverified_loads", "counter",
             "Chunks loaded from files without a trailer (written by vLLM): size-checked only.",
         )
         self._stale_tmp = self.add_metric(
-            "kvtier_fs_stale_tmp_removed", "counter",
+            "fs_stale_tmp_removed", "counter",
             "Temporary files of crashed writers removed by start-up scans.",
         )
 

@@ -19,7 +19,7 @@ Bytes. An object is the slot's bytes followed by the trailer page of
 :mod:`kvtier.tiers.integrity` (same format as the fs tier). A load verifies the trailer before
 reporting success; an object of exactly ``slot_bytes`` (vLLM, no trailer) is accepted unverified;
 any other size or a bad trailer/checksum is a miss: the object is deleted, the rejection counted
-(``kvtier_obj_rejected_chunks{reason}``) and a removal event published.
+(``kvtier_tier_obj_rejected_chunks_total{tier, reason}``) and a removal event published.
 
 Requests. One aiobotocore client per tier (``max_pool_connections`` = 3 × ``io_threads``: loads,
 stores and lookups each get ``io_threads`` concurrent requests). botocore's own retries are off
@@ -246,22 +246,22 @@ class ObjectStoreTier(SecondaryTier):
         self._exit_stack: contextlib.AsyncExitStack | None = None
         self._head_limiter = anyio.CapacityLimiter(self.io_threads)
         self._rejected = self.add_metric(
-            "kvtier_obj_rejected_chunks", "counter",
+            "obj_rejected_chunks", "counter",
             "Objects rejected on load and deleted, by reason (short, long, bad_trailer, checksum).",
             ("reason",),
         )
         for reason in REJECT_REASONS:
             self._rejected.values[(reason,)] = 0.0
         self._unverified = self.add_metric(
-            "kvtier_obj_unverified_loads", "counter",
+            "obj_unverified_loads", "counter",
             "Chunks loaded from objects without a trailer (written by vLLM): size-checked only.",
         )
         self._retries = self.add_metric(
-            "kvtier_obj_request_retries", "counter",
+            "obj_request_retries", "counter",
             "Object requests retried after a transient failure, by reason.", ("reason",),
         )
         self._breaker_trips = self.add_metric(
-            "kvtier_obj_breaker_trips", "counter",
+            "obj_breaker_trips", "counter",
             "Times repeated connection failures opened the circuit breaker (fail fast for a while).",
         )
 
