@@ -16,6 +16,7 @@ Components wake the engine through a callback whenever a job result or lookup ve
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import logging
@@ -26,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import sniffio
 
 from kvtier.config import EngineConfig
 from kvtier.context import RequestContext
@@ -177,7 +177,7 @@ class Engine:
             raise ConfigError(
                 f"secondary_tiers: spec {self.config.spec_name!r} does not take secondary tiers"
             )
-        backend = sniffio.current_async_library()
+        on_asyncio = _running_on_asyncio()
         run_fields = self.geometry.run_fields(self.blocks_per_chunk)
         for tier_cfg in self.config.secondary_tiers:
             context = TierContext(
@@ -193,10 +193,11 @@ class Engine:
                 self_describing_kv_events=self.config.self_describing_kv_events,
             )
             tier = SecondaryTierFactory.create(tier_cfg, context)
-            if getattr(tier, "requires_asyncio", False) and backend != "asyncio":
+            if getattr(tier, "requires_asyncio", False) and not on_asyncio:
                 raise ConfigError(
                     f"secondary_tiers[{tier_cfg.index}].type: {tier_cfg.type!r} requires the asyncio "
-                    f"event loop, but kvtier.open() runs under {backend}; use asyncio or remove the tier"
+                    "event loop, but kvtier.open() runs under another one (trio?); use asyncio or "
+                    "remove the tier"
                 )
             self.tiers.append(tier)
 
@@ -641,6 +642,14 @@ async def open(  # noqa: A001 - the public name is kvtier.open
         # or the caller's own exception from the ``async with`` body); give back the single
         # exception when there is exactly one, as the caller raised or expects it.
         raise _sole_exception(group) from None
+
+
+def _running_on_asyncio() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _sole_exception(group: BaseExceptionGroup) -> BaseException:
