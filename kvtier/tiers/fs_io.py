@@ -529,9 +529,14 @@ class DualQueuePool:
         if token is None:
             return
         try:
-            # Non-blocking: the worker goes straight back to the queue instead of waiting
-            # until the loop has run the dispatch (which ``from_thread.run_sync`` would do).
-            token.backend_class.run_sync_soon(self._dispatch, (), token.native_token)
+            backend = getattr(token, "backend_class", None)
+            if backend is not None and hasattr(backend, "run_sync_soon"):
+                # Non-blocking: the worker goes straight back to the queue instead of waiting
+                # until the loop has run the dispatch (which ``from_thread.run_sync`` would do).
+                # ``backend_class.run_sync_soon`` is anyio's backend interface (checked on 4.16).
+                backend.run_sync_soon(self._dispatch, (), token.native_token)
+            else:  # public, blocking fallback for anyio versions without that interface
+                anyio.from_thread.run_sync(self._dispatch, token=token)
         except RuntimeError:  # anyio.RunFinishedError included
             pass  # the loop is gone (process shutting down); nobody awaits these tasks any more
 
