@@ -34,19 +34,28 @@ class Progress:
         self.enabled = enabled
         self.width = width
         self.started = time.monotonic()
+        isatty = getattr(self.stream, "isatty", None)
+        self._interactive = bool(isatty and isatty())
 
     def advance(self, label: str) -> None:
         self.done += 1
         if not self.enabled:
             return
+        elapsed = time.monotonic() - self.started
+        if not self._interactive:
+            # A log file gets a plain line every tenth of the way, not thousands of \r updates.
+            step = max(1, self.total // 10)
+            if self.done % step == 0 or self.done == self.total:
+                self.stream.write(f"{self.done}/{self.total} requests  {elapsed:5.1f}s  {label}\n")
+                self.stream.flush()
+            return
         filled = self.width * self.done // self.total
         bar = "#" * filled + "-" * (self.width - filled)
-        elapsed = time.monotonic() - self.started
         self.stream.write(f"\r[{bar}] {self.done}/{self.total} requests  {elapsed:5.1f}s  {label:<24}")
         self.stream.flush()
 
     def close(self) -> None:
-        if self.enabled:
+        if self.enabled and self._interactive:
             self.stream.write("\n")
             self.stream.flush()
 

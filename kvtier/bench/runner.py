@@ -364,6 +364,11 @@ async def run_plan(
 ) -> list[RunResult]:
     """Every (strategy, conversations) result of ``plan``, strategy-major, in sweep order."""
     references = ReferenceLogits(model)
+    # Untimed warm-up: the first forward pass of a process pays one-off costs (allocator growth,
+    # kernel selection) that would otherwise land on whichever strategy serves first.
+    first = next(iter(iter_requests(plan.workload, plan.conversations[0])), None)
+    if first is not None:
+        await anyio.to_thread.run_sync(model.dense_logits, first.token_ids)
     by_point: dict[int, list[RunResult]] = {}
     for n in plan.conversations:
         def progress(name: str, n: int = n) -> None:
