@@ -15,9 +15,21 @@ Modes: ``auto`` lets the tier probe (``O_DIRECT`` when the filesystem allows it)
 the mode it chose; ``buffered`` forces page-cache I/O on both sides; ``both`` (default) runs
 the two. Each figure is the median of ``--repeats`` trials with the spread (min–max) of the
 per-trial ratios; every trial writes fresh keys, so no store is skipped as already present.
-If ``vllm`` is importable its fs tier would be measured too; otherwise that is reported skipped.
+
+**vLLM** (only if ``vllm`` is importable, e.g. ``vllm==0.33.0`` installed with ``--no-deps`` in a side
+virtualenv that also has kvtier): its ``FileSystemTierManager`` is driven directly, without an engine,
+on the same workload: the same host buffer (page-aligned, as its O_DIRECT path needs), the same root
+directory, the same thread split (``n_read_threads``/``n_write_threads``), ``--jobs`` jobs of 64
+chunks submitted with ``submit_store``/``submit_load`` and awaited with ``drain_jobs`` (its pool's
+condition wait), then checked with ``get_finished_jobs``. It probes ``O_DIRECT`` itself; in buffered
+mode its probe is forced to "no" the same way as the tier's. Its lookups (RETRY until the scheduler
+flushes) are not involved, since transfers are submitted directly. Its trials are interleaved with
+the other two (the order rotates each repeat) and the table gains its throughput, the I/O mode it
+chose, and the kvtier/vLLM ratio. Without vLLM that comparison is reported skipped.
 
     python benchmarks/fs_tier.py [--root DIR] [--jobs 4] [--threads 4] [--repeats 7] [--mode both]
+                                 [--sizes 256,2048] [--no-vllm]
+    /tmp/vllm-venv/bin/python benchmarks/fs_tier.py      # with vLLM in a side virtualenv
 """
 
 from __future__ import annotations
@@ -33,22 +45,24 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import anyio
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import kvtier.tiers.fs_io as fs_io  # noqa: E402
-from kvtier.config import TierConfig  # noqa: E402
-from kvtier.keys import make_offload_key  # noqa: E402
-from kvtier.layout import KVGeometry, namespace  # noqa: E402
-from kvtier.tiers.base import JobResult, TierContext, TransferJob  # noqa: E402
-from kvtier.tiers.fs import FileSystemTier  # noqa: E402
-from kvtier.tiers.slots import SlotBuffer  # noqa: E402
+from kvtier.config import TierConfig
+from kvtier.keys import make_offload_key
+from kvtier.layout import KVGeometry, namespace
+from kvtier.tiers import fs_io
+from kvtier.tiers.base import JobResult, TierContext, TransferJob
+from kvtier.tiers.fs import FileSystemTier
+from kvtier.tiers.slots import SlotBuffer
 
 CHUNKS_PER_JOB = 64
 GiB = float(1 << 30)
@@ -115,6 +129,95 @@ def forced_buffered(enabled: bool) -> Iterator[None]:
         fs_io.probe_o_direct = probe  # type: ignore[assignment]
 
 
+class VllmFs:
+    """vLLM's fs tier modules, imported only when ``vllm`` is present (nothing else here needs it)."""
+
+    def __init__(self) -> None:
+        from vllm.v1.kv_offload import base
+        from vllm.v1.kv_offload.tiering import base as tiering_base
+        from vllm.v1.kv_offload.tiering.fs import manager
+
+        self.base: ModuleType = base
+        self.tiering: ModuleType = tiering_base
+        self.manager: ModuleType = manager
+        self.version: str = importlib.import_module("vllm").__version__
+
+
+def load_vllm() -> tuple[VllmFs | None, str]:
+    """vLLM's fs tier if importable, else ``None`` and why (the comparison is then skipped)."""
+    if importlib.util.find_spec("vllm") is None:
+        return None, "vllm is not importable"
+    try:
+        return VllmFs(), ""
+    except Exception as exc:  # noqa: BLE001 - an incomplete --no-deps install fails on any transitive import
+        return None, f"vllm is present but its fs tier does not import ({type(exc).__name__}: {exc})"
+
+
+def vllm_spec(geometry: KVGeometry) -> SimpleNamespace:
+    """A stand-in for vLLM's OffloadingSpec carrying only the attributes its fs tier reads.
+
+    One full-attention group and parallelism-agnostic, so its file tree is ``<root>/<model>_<digest>_r0/…``
+    — the same depth and fan-out as kvtier's.
+    """
+    config = SimpleNamespace(
+        groups=[SimpleNamespace(tokens_per_block=geometry.block_size,
+                                layer_names=[f"model.layers.{i}.self_attn.attn" for i in range(geometry.num_layers)])],
+        parallel=SimpleNamespace(tp_size=1, pp_size=1, pcp_size=1, dcp_size=1, rank=0,
+                                 is_parallelism_agnostic=True),
+        canonical_layout=False, kv_cache_layout=None, replicated_layout=False,
+        model=SimpleNamespace(name=geometry.model_name, dtype=geometry.dtype),
+        cache=SimpleNamespace(tokens_per_hash=geometry.block_size),
+    )
+    return SimpleNamespace(config=config, kv_events_config=SimpleNamespace(enable_kv_cache_events=False),
+                           blocks_per_chunk=1)
+
+
+def vllm_round(vllm: VllmFs, root: Path, host: SlotBuffer, geometry: KVGeometry, jobs: int, threads: int,
+               tag: str, buffered: bool) -> tuple[float, float, bool]:
+    """Seconds for ``jobs`` store jobs then ``jobs`` load jobs of 64 chunks through vLLM's fs tier."""
+    half = max(1, threads // 2)
+    # Rows of the shared host buffer; vLLM takes the chunk size from strides[0].
+    primary = host.array.data
+    # Its manager module calls the probe by its imported name, so that name is the one to swap.
+    probe: Callable[[str], bool] = vllm.manager.probe_o_direct
+    if buffered:
+        setattr(vllm.manager, "probe_o_direct", lambda directory: False)  # noqa: B010 (module attribute)
+    try:
+        tier = vllm.manager.FileSystemTierManager(
+            vllm_spec(geometry), primary, "fs", root_dir=str(root / f"vllm_{tag}"),
+            n_read_threads=half, n_write_threads=max(1, threads - half))
+    finally:
+        setattr(vllm.manager, "probe_o_direct", probe)  # noqa: B010
+    keys = [vllm.base.make_offload_key(hashlib.sha256(f"{tag}-{i}".encode()).digest(), 0)
+            for i in range(jobs * CHUNKS_PER_JOB)]
+    req = vllm.base.ReqContext(req_id="bench")
+
+    def run_jobs(is_promotion: bool) -> float:
+        os.sync()
+        t0 = time.perf_counter()
+        for j in range(jobs):
+            slots = [(j * CHUNKS_PER_JOB + i) % host.num_slots for i in range(CHUNKS_PER_JOB)]
+            job = vllm.tiering.TransferJob(
+                job_id=j + (1000 if is_promotion else 0), keys=keys[j * CHUNKS_PER_JOB:(j + 1) * CHUNKS_PER_JOB],
+                chunk_ids=np.asarray(slots, dtype=np.int32), is_promotion=is_promotion, req_context=req)
+            (tier.submit_load if is_promotion else tier.submit_store)(job)
+        tier.drain_jobs()  # blocks on its pool's condition until every job's task has finished
+        elapsed = time.perf_counter() - t0
+        results = list(tier.get_finished_jobs())
+        if len(results) != jobs or not all(r.success for r in results):
+            raise RuntimeError(f"vLLM benchmark job failed: {results}")
+        return elapsed
+
+    try:
+        store_s = run_jobs(False)
+        load_s = run_jobs(True)
+    finally:
+        tier.shutdown()
+    o_direct = bool(tier._use_o_direct)  # no public accessor; it logs its choice only on fallback
+    shutil.rmtree(root / f"vllm_{tag}")
+    return store_s, load_s, o_direct
+
+
 async def tier_round(root: Path, host: SlotBuffer, geometry: KVGeometry, jobs: int, threads: int,
                      tag: str, buffered: bool) -> tuple[float, float, bool]:
     """Seconds for ``jobs`` store jobs then ``jobs`` load jobs of 64 chunks through the tier."""
@@ -164,8 +267,14 @@ async def tier_round(root: Path, host: SlotBuffer, geometry: KVGeometry, jobs: i
     return store_s, load_s, o_direct
 
 
-def measure(root: Path, slot_bytes: int, args: argparse.Namespace, buffered: bool) -> list[tuple[Any, ...]]:
-    """Interleaved raw/tier trials for one chunk size and mode; one table row per operation."""
+def median_rate(total: float, seconds: list[tuple[float, float]], idx: int) -> tuple[float, list[float]]:
+    rates = [total / t[idx] for t in seconds]
+    return statistics.median(rates), rates
+
+
+def measure(root: Path, slot_bytes: int, args: argparse.Namespace, buffered: bool,
+            vllm: VllmFs | None) -> list[tuple[Any, ...]]:
+    """Interleaved raw/tier(/vLLM) trials for one chunk size and mode; one table row per operation."""
     geometry = geometry_for(slot_bytes)
     assert geometry.slot_bytes(1) == slot_bytes
     n_chunks = args.jobs * CHUNKS_PER_JOB
@@ -174,34 +283,52 @@ def measure(root: Path, slot_bytes: int, args: argparse.Namespace, buffered: boo
         host.array[:] = 0x5A  # touch every page before timing
         for i in range(host.num_slots):
             host.view(i)[:8] = i.to_bytes(8, "little")
-        # Warm-up (directories, code paths), not timed; it also tells which mode the tier picks.
+        # Warm-up (directories, code paths), not timed; it also tells which mode each tier picks.
         *_, o_direct = anyio.run(tier_round, root, host, geometry, 1, args.threads, f"{slot_bytes}_w", buffered)
+        vllm_o_direct: bool | None = None
+        if vllm is not None:
+            *_, vllm_o_direct = vllm_round(vllm, root, host, geometry, 1, args.threads, f"{slot_bytes}_w", buffered)
         raw_s: list[tuple[float, float]] = []
         tier_s: list[tuple[float, float]] = []
+        vllm_s: list[tuple[float, float]] = []
         for r in range(args.repeats):
             tag = f"{slot_bytes}_{int(buffered)}_{r}"
 
-            def raw() -> None:
+            def raw(tag: str = tag) -> None:
                 raw_s.append(raw_round(root, host, geometry, n_chunks, args.threads, tag, o_direct))
 
-            def tier() -> None:
+            def tier(tag: str = tag) -> None:
                 *times, chosen = anyio.run(tier_round, root, host, geometry, args.jobs, args.threads, tag, buffered)
                 assert chosen == o_direct
                 tier_s.append(tuple(times))  # type: ignore[arg-type]
 
-            for trial in ((raw, tier) if r % 2 == 0 else (tier, raw)):
+            def theirs(tag: str = tag) -> None:
+                assert vllm is not None
+                *times, chosen = vllm_round(vllm, root, host, geometry, args.jobs, args.threads, tag, buffered)
+                assert chosen == vllm_o_direct
+                vllm_s.append(tuple(times))  # type: ignore[arg-type]
+
+            # Rotate the order each repeat so no contender always runs first (cold) or after a given one.
+            trials: list[Callable[..., None]] = [raw, tier] + ([theirs] if vllm is not None else [])
+            shift = r % len(trials)
+            for trial in trials[shift:] + trials[:shift]:
                 trial()
     finally:
         host.close()
     total = n_chunks * slot_bytes / GiB
     rows = []
     for idx, op in ((0, "store"), (1, "load")):
-        raw_rates = [total / t[idx] for t in raw_s]
-        tier_rates = [total / t[idx] for t in tier_s]
+        raw_med, raw_rates = median_rate(total, raw_s, idx)
+        tier_med, tier_rates = median_rate(total, tier_s, idx)
         paired = [ours / base for ours, base in zip(tier_rates, raw_rates)]
-        rows.append((f"{slot_bytes // 1024} KiB", op, "O_DIRECT" if o_direct else "buffered",
-                     statistics.median(raw_rates), statistics.median(tier_rates),
-                     statistics.median(tier_rates) / statistics.median(raw_rates), min(paired), max(paired)))
+        row: tuple[Any, ...] = (f"{slot_bytes // 1024} KiB", op, "O_DIRECT" if o_direct else "buffered",
+                                raw_med, tier_med, tier_med / raw_med, min(paired), max(paired))
+        if vllm is not None:
+            vllm_med, vllm_rates = median_rate(total, vllm_s, idx)
+            versus = [ours / theirs for ours, theirs in zip(tier_rates, vllm_rates)]
+            row += ("O_DIRECT" if vllm_o_direct else "buffered", vllm_med, tier_med / vllm_med,
+                    min(versus), max(versus))
+        rows.append(row)
     return rows
 
 
@@ -210,33 +337,44 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", default=None, help="directory to write in (default: a temp dir under /tmp)")
     parser.add_argument("--jobs", type=int, default=4, help="jobs of 64 chunks per trial")
-    parser.add_argument("--threads", type=int, default=4, help="total I/O threads (raw and tier alike)")
-    parser.add_argument("--repeats", type=int, default=7, help="interleaved raw/tier trials per figure")
+    parser.add_argument("--threads", type=int, default=4, help="total I/O threads (raw, kvtier and vLLM alike)")
+    parser.add_argument("--repeats", type=int, default=7, help="interleaved trials per figure")
     parser.add_argument("--mode", choices=("auto", "buffered", "both"), default="both",
-                        help="auto: the tier probes O_DIRECT and raw uses its choice; buffered: page cache")
+                        help="auto: each tier probes O_DIRECT and raw uses kvtier's choice; buffered: page cache")
     parser.add_argument("--sizes", default="256,2048", help="chunk sizes in KiB, comma separated")
+    parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM comparison even if importable")
     args = parser.parse_args()
 
+    vllm, why_not = (None, "--no-vllm given") if args.no_vllm else load_vllm()
+    if vllm is not None:
+        # Its O_DIRECT fallback warning is reported in the table instead.
+        logging.getLogger("vllm.v1.kv_offload.tiering.fs.manager").setLevel(logging.ERROR)
     root = Path(args.root or tempfile.mkdtemp(prefix="kvtier-bench-"))
     modes = {"auto": [False], "buffered": [True], "both": [False, True]}[args.mode]
     rows: list[tuple[Any, ...]] = []
     try:
         for buffered in modes:
             for kib in (int(x) for x in args.sizes.split(",")):
-                rows += measure(root, kib * 1024, args, buffered)
+                rows += measure(root, kib * 1024, args, buffered, vllm)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    print(f"fs tier vs raw, {args.jobs} jobs x {CHUNKS_PER_JOB} chunks, {args.threads} threads, "
+    contenders = "raw, kvtier" + (f" and vLLM {vllm.version}" if vllm is not None else "")
+    print(f"fs tier: {contenders}, {args.jobs} jobs x {CHUNKS_PER_JOB} chunks, {args.threads} threads, "
           f"median of {args.repeats} interleaved trials, root {root}")
-    print(f"{'chunk':>8} {'op':>6} {'I/O mode':>9} {'raw GiB/s':>10} {'kvtier GiB/s':>13} {'ratio':>6} "
-          f"{'trial ratios':>13}")
-    for chunk, op, mode, raw, ours, ratio, low, high in rows:
-        print(f"{chunk:>8} {op:>6} {mode:>9} {raw:>10.2f} {ours:>13.2f} {ratio:>6.2f} {low:>6.2f}–{high:<6.2f}")
-    if importlib.util.find_spec("vllm") is None:
-        print("vllm is not importable: the comparison with vLLM's fs tier was skipped")
-    else:
-        print("vllm is importable, but driving its fs tier needs a full vLLM config; comparison not run")
+    header = (f"{'chunk':>8} {'op':>6} {'I/O mode':>9} {'raw GiB/s':>10} {'kvtier GiB/s':>13} {'ratio':>6} "
+              f"{'trial ratios':>13}")
+    if vllm is not None:
+        header += f" | {'vLLM mode':>9} {'vLLM GiB/s':>11} {'kvtier/vLLM':>12} {'trial ratios':>13}"
+    print(header)
+    for chunk, op, mode, raw, ours, ratio, low, high, *theirs in rows:
+        line = f"{chunk:>8} {op:>6} {mode:>9} {raw:>10.2f} {ours:>13.2f} {ratio:>6.2f} {low:>6.2f}–{high:<6.2f}"
+        if theirs:
+            vmode, vrate, vratio, vlow, vhigh = theirs
+            line += f" | {vmode:>9} {vrate:>11.2f} {vratio:>12.2f} {vlow:>6.2f}–{vhigh:<6.2f}"
+        print(line)
+    if vllm is None:
+        print(f"{why_not}: the comparison with vLLM's fs tier was skipped")
 
 
 if __name__ == "__main__":
