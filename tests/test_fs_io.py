@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from kvtier.tiers import fs_io
-from kvtier.tiers.fs_io import DualQueuePool, IOQueue
+from kvtier.tiers.fs_io import _SLICES_PER_WORKER, DualQueuePool, IOQueue
 from kvtier.tiers.integrity import SizeClass, make_trailer_page, verify
 
 SLOT = 16384
@@ -321,13 +321,16 @@ async def test_a_batch_wakes_the_loop_once_not_once_per_call(monkeypatch: pytest
 
 @pytest.mark.anyio
 async def test_cancelling_a_batch_withdraws_queued_calls_and_waits_for_running_ones() -> None:
+    # Calls are queued in slices of `size`; 2 workers x _SLICES_PER_WORKER slices in all.
     pool = DualQueuePool(1, 1)
+    size = 3
+    n_slices = 2 * _SLICES_PER_WORKER
     started, release = threading.Barrier(3, timeout=10), threading.Event()
     ran: list[int] = []
 
     def call(i: int) -> None:
-        if i < 2:
-            started.wait()  # the first two occupy both workers
+        if i in (0, size):
+            started.wait()  # the first two slices occupy both workers
             release.wait(10)
         ran.append(i)
 
@@ -335,20 +338,21 @@ async def test_cancelling_a_batch_withdraws_queued_calls_and_waits_for_running_o
     try:
         with anyio.CancelScope() as scope:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(pool.run_batch, IOQueue.WRITE, call, [(i,) for i in range(6)])
+                tg.start_soon(pool.run_batch, IOQueue.WRITE, call, [(i,) for i in range(size * n_slices)])
                 await anyio.to_thread.run_sync(started.wait)
-                assert pool.statistics().queued_writes == 4
+                assert pool.statistics().queued_writes == n_slices - 2
                 scope.cancel()
                 with anyio.CancelScope(shield=True):
-                    with anyio.fail_after(5):  # hang guard: the queued calls are withdrawn
+                    with anyio.fail_after(5):  # hang guard: the queued slices are withdrawn
                         while pool.statistics().queued_writes:
                             await anyio.sleep(0.001)
                 release.set()
-        assert sorted(ran) == [0, 1]  # returned only after the running calls finished
+        # returned only after the running slices finished; the queued ones never ran
+        assert sorted(ran) == list(range(2 * size))
         assert pool.statistics().queued_writes == 0
     finally:
         await pool.aclose()
-    assert sorted(ran) == [0, 1]
+    assert sorted(ran) == list(range(2 * size))
 
 
 @pytest.mark.anyio

@@ -499,8 +499,8 @@ class FileSystemTier(SecondaryTier):
             raise error
 
     async def write_many(self, items: Sequence[tuple[bytes, memoryview]]) -> list[BaseException | None]:
-        """Store a whole job: every chunk is its own pool task (parallel across the write
-        workers), and the loop is woken once, when the last one finished.
+        """Store a whole job: chunks spread over the pool workers in slices (``run_batch``), and
+        the loop is woken once, when the last one finished.
 
         Space is reserved (and victims chosen) for each chunk before any I/O, in job order, which
         is also the recency order; a chunk whose reservation fails (``no_space``) is not written.
@@ -542,7 +542,7 @@ class FileSystemTier(SecondaryTier):
         return outcomes
 
     async def read_many(self, items: Sequence[tuple[bytes, memoryview]]) -> list[BaseException | None]:
-        """Load a whole job: one pool task per chunk (parallel across the read workers), one
+        """Load a whole job: chunks spread over the pool workers in slices (``run_batch``), one
         wake-up of the loop per job. Each chunk is read into its slot and verified on the worker;
         per chunk the outcome is ``None``, :class:`ChunkNotFound` or :class:`ChunkCorrupt` (the
         file was removed, the slot zeroed) or the ``OSError``. Chunks being read are never evicted.
