@@ -101,6 +101,66 @@ def test_missing_file_raises_file_not_found(tmp_path: Path) -> None:
     assert fs_io.remove_file(str(tmp_path / "none.bin")) is False
 
 
+def test_load_chunk_verifies_a_trailered_chunk_in_one_read(tmp_path: Path, o_direct: bool) -> None:
+    src = _slot(0x3C)
+    path = str(tmp_path / "c.bin")
+    fs_io.write_chunk(path, src, make_trailer_page(src), o_direct=o_direct)
+    dst = _slot(0)
+    verdict = fs_io.load_chunk(path, dst, o_direct=o_direct)
+    assert verdict.ok and verdict.verified
+    assert bytes(dst) == bytes(src)
+
+
+@pytest.mark.parametrize(
+    ("size", "reason"),
+    [(100, "short"), (SLOT - 4096, "short"), (SLOT + 1, "short"), (SLOT + 4095, "short"),
+     (SLOT + 4097, "long"), (SLOT + 8192, "long"), (SLOT + 3 * 4096, "long")],
+)
+def test_load_chunk_rejects_wrong_sizes_by_what_one_read_returned(tmp_path: Path, size: int, reason: str) -> None:
+    # No stat: the count read into [slot, trailer page, spare page] alone classifies the file.
+    path = tmp_path / "c.bin"
+    path.write_bytes(b"x" * size)
+    verdict = fs_io.load_chunk(str(path), _slot(0), o_direct=False)
+    assert not verdict.ok and verdict.reason == reason
+    assert path.exists()  # removal is the tier's decision
+
+
+def test_load_chunk_accepts_a_trailerless_slot_sized_file_unverified(tmp_path: Path) -> None:
+    path = tmp_path / "r.bin"
+    path.write_bytes(b"\x05" * SLOT)
+    dst = _slot(0)
+    verdict = fs_io.load_chunk(str(path), dst, o_direct=False)
+    assert verdict.ok and not verdict.verified
+    assert bytes(dst) == b"\x05" * SLOT
+
+
+def test_load_chunk_reports_a_corrupt_payload_and_a_bad_trailer(tmp_path: Path) -> None:
+    src = _slot(0x11)
+    page = make_trailer_page(src)
+    flipped = tmp_path / "flipped.bin"
+    flipped.write_bytes(b"\x12" + bytes(src)[1:] + page)
+    bad_magic = tmp_path / "magic.bin"
+    bad_magic.write_bytes(bytes(src) + page[:-32] + b"XXXX" + page[-28:])
+    assert fs_io.load_chunk(str(flipped), _slot(0), o_direct=False).reason == "checksum"
+    assert fs_io.load_chunk(str(bad_magic), _slot(0), o_direct=False).reason == "bad_trailer"
+
+
+def test_load_chunk_does_not_see_a_previous_reads_trailer(tmp_path: Path) -> None:
+    # The trailer page is thread scratch: a later short file must not be judged by a stale one.
+    src = _slot(0x21)
+    good = str(tmp_path / "good.bin")
+    fs_io.write_chunk(good, src, make_trailer_page(src), o_direct=False)
+    assert fs_io.load_chunk(good, _slot(0), o_direct=False).verified
+    torn = tmp_path / "torn.bin"
+    torn.write_bytes(bytes(src) + bytes(4096 - 32))  # trailer page cut before its trailer
+    assert fs_io.load_chunk(str(torn), _slot(0), o_direct=False).reason == "short"
+
+
+def test_load_chunk_raises_file_not_found_for_a_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        fs_io.load_chunk(str(tmp_path / "none.bin"), _slot(0), o_direct=False)
+
+
 def test_scan_lists_layout_chunks_and_removes_only_stale_temporaries(tmp_path: Path) -> None:
     h = "abcdef0123"
     d = tmp_path / h[:3] / f"{h[3:5]}_g2"

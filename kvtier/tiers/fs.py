@@ -63,7 +63,6 @@ from kvtier.tiers.integrity import (
     classify_size,
     make_trailer_page,
     stored_size,
-    verify,
 )
 from kvtier.types import Medium
 
@@ -256,13 +255,7 @@ class DiskIndex:
 
 def _load_verified(path: str, dst: memoryview, o_direct: bool) -> Verdict:
     """Read ``path`` into ``dst`` and verify it; on rejection zero ``dst`` and remove the file."""
-    outcome = fs_io.read_chunk(path, dst, o_direct=o_direct)
-    if outcome.size_class is SizeClass.SHORT:
-        verdict = Verdict.reject("short")
-    elif outcome.size_class is SizeClass.LONG:
-        verdict = Verdict.reject("long")
-    else:
-        verdict = verify(dst, outcome.trailer_page)
+    verdict = fs_io.load_chunk(path, dst, o_direct=o_direct)
     if not verdict.ok:
         # Defence in depth: the manager frees the slot on failure, but never leave bytes that
         # failed verification where they could be mistaken for a chunk.
