@@ -23,9 +23,9 @@ any other size or a bad trailer/checksum is a miss: the object is deleted, the r
 
 Requests. One aiobotocore client per tier (``max_pool_connections`` = 3 × ``io_threads``: loads,
 stores and lookups each get ``io_threads`` concurrent requests). botocore's own retries are off
-(``max_attempts=1``) so the deadline is this tier's: network errors, 5xx and throttling (429/503
-SlowDown) are retried with capped exponential back-off and jitter until ``request_timeout_s``
-after the first attempt, then the chunk fails (load → miss, store → not stored) with reason
+(``total_max_attempts=1``: one attempt per call, no hidden retry) so the deadline is this tier's:
+network errors, 5xx and throttling (429/503 SlowDown) are retried with capped exponential
+back-off and jitter until ``request_timeout_s`` after the first attempt, then the chunk fails (load → miss, store → not stored) with reason
 ``"unavailable"``, ``"throttled"``, ``"server_error"`` or ``"timeout"``. 404 is
 :class:`ChunkNotFound`; 403 is ``"permission"`` and other 4xx ``"client_error"``, counted and not
 retried.
@@ -305,7 +305,7 @@ class ObjectStoreTier(SecondaryTier):
 
         _REDACTOR.add(self._credentials)
         config = AioConfig(
-            retries={"max_attempts": 1, "mode": "standard"},  # the deadline is ours (see module doc)
+            retries={"total_max_attempts": 1, "mode": "standard"},  # the deadline is ours (see module doc)
             connect_timeout=min(2.0, self.request_timeout_s),
             read_timeout=self.request_timeout_s,
             max_pool_connections=3 * self.io_threads,
