@@ -25,10 +25,10 @@ Requests. One aiobotocore client per tier (``max_pool_connections`` = 3 × ``io_
 stores and lookups each get ``io_threads`` concurrent requests). botocore's own retries are off
 (``total_max_attempts=1``: one attempt per call, no hidden retry) so the deadline is this tier's:
 network errors, 5xx and throttling (429/503 SlowDown) are retried with capped exponential
-back-off and jitter until ``request_timeout_s`` after the first attempt, then the chunk fails (load → miss, store → not stored) with reason
-``"unavailable"``, ``"throttled"``, ``"server_error"`` or ``"timeout"``. 404 is
-:class:`ChunkNotFound`; 403 is ``"permission"`` and other 4xx ``"client_error"``, counted and not
-retried.
+back-off and jitter until ``request_timeout_s`` after the first attempt, then the chunk fails
+(load → miss, store → not stored) with reason ``"unavailable"``, ``"throttled"``,
+``"server_error"`` or ``"timeout"``. 404 is :class:`ChunkNotFound`; 403 is ``"permission"``
+and other 4xx ``"client_error"``, counted and not retried.
 
 Outage. After ``breaker_threshold`` consecutive connection failures a circuit breaker fails
 requests at once (reason ``"unavailable"``) for ``breaker_open_s``, then lets requests probe the
