@@ -27,7 +27,7 @@ import importlib
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -394,13 +394,6 @@ class TieringManager:
             jobs_in_flight=len(self._jobs),
             promotions_held=self._promotions_held,
         )
-
-    def tier_labels(self) -> list[str]:
-        return [PRIMARY_LABEL, *self._labels]
-
-
-def iter_labels(tiers: Iterable[SecondaryTier]) -> list[str]:
-    return [PRIMARY_LABEL, *(t.context.label for t in tiers)]
 
 
 # ---------------------------------------------------------------------------------------------
