@@ -13,7 +13,7 @@ import anyio
 import pytest
 
 from kvtier.tiers import fs_io
-from kvtier.tiers.fs_io import _SLICES_PER_WORKER, DualQueuePool, IOQueue
+from kvtier.tiers.fs_io import DualQueuePool, IOQueue
 from kvtier.tiers.integrity import SizeClass, make_trailer_page, verify
 
 SLOT = 16384
@@ -154,6 +154,40 @@ def test_load_chunk_does_not_see_a_previous_reads_trailer(tmp_path: Path) -> Non
     torn = tmp_path / "torn.bin"
     torn.write_bytes(bytes(src) + bytes(4096 - 32))  # trailer page cut before its trailer
     assert fs_io.load_chunk(str(torn), _slot(0), o_direct=False).reason == "short"
+
+
+def test_loads_leave_the_access_time_alone(tmp_path: Path) -> None:
+    src = _slot(0x31)
+    path = str(tmp_path / "c.bin")
+    fs_io.write_chunk(path, src, make_trailer_page(src), o_direct=False)
+    control = tmp_path / "control.bin"
+    control.write_bytes(b"c")
+    for p in (path, control):
+        os.utime(p, ns=(1_000_000_000, 2_000_000_000))  # atime before mtime: relatime would update it
+    control.read_bytes()
+    if os.stat(control).st_atime_ns == 1_000_000_000:
+        pytest.skip("this filesystem never updates access times (noatime mount)")
+    assert fs_io.load_chunk(path, _slot(0), o_direct=False).verified
+    assert os.stat(path).st_atime_ns == 1_000_000_000
+
+
+def test_a_file_of_another_owner_is_read_without_o_noatime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src = _slot(0x32)
+    path = str(tmp_path / "c.bin")
+    fs_io.write_chunk(path, src, make_trailer_page(src), o_direct=False)
+    real_open, flags_seen = os.open, []
+
+    def not_the_owner(p: str, flags: int, *args: int) -> int:
+        flags_seen.append(flags)
+        if flags & os.O_NOATIME:
+            raise PermissionError(errno.EPERM, "Operation not permitted", p)
+        return real_open(p, flags, *args)
+
+    monkeypatch.setattr(fs_io.os, "open", not_the_owner)
+    dst = _slot(0)
+    assert fs_io.load_chunk(path, dst, o_direct=False).verified
+    assert bytes(dst) == bytes(src)
+    assert [bool(f & os.O_NOATIME) for f in flags_seen] == [True, False]
 
 
 def test_load_chunk_raises_file_not_found_for_a_missing_file(tmp_path: Path) -> None:
@@ -335,28 +369,49 @@ def test_pool_needs_workers_in_both_groups() -> None:
 
 
 @pytest.mark.anyio
-async def test_batch_returns_one_outcome_per_call_and_failures_do_not_stop_the_others() -> None:
-    pool = DualQueuePool(2, 2)
+async def test_batch_returns_one_result_per_call_and_failures_do_not_stop_the_others() -> None:
+    pool = DualQueuePool(2, 2, batch_slices=3)
     pool.start()
     try:
         outcomes = await pool.run_batch(IOQueue.WRITE, lambda x: 10 // x, [(5,), (0,), (2,)])
     finally:
         await pool.aclose()
-    assert [o.value for o in outcomes] == [2, None, 5]
-    assert outcomes[0].error is None and isinstance(outcomes[1].error, ZeroDivisionError)
+    assert outcomes[0] == 2 and outcomes[2] == 5
+    assert isinstance(outcomes[1], ZeroDivisionError)
     assert pool.statistics().completed == 3
 
 
 @pytest.mark.anyio
 async def test_a_batch_runs_its_calls_in_parallel_across_both_worker_groups() -> None:
-    pool = DualQueuePool(1, 3)
+    pool = DualQueuePool(1, 3, batch_slices=4)
     barrier = threading.Barrier(4, timeout=10)  # only passes if all four calls run at once
     pool.start()
     try:
         outcomes = await pool.run_batch(IOQueue.READ, barrier.wait, [()] * 4)
     finally:
         await pool.aclose()
-    assert all(o.error is None for o in outcomes)
+    assert len(outcomes) == 4 and not any(isinstance(o, BaseException) for o in outcomes)
+
+
+def test_a_batch_is_cut_into_one_slice_per_usable_core_at_most_one_per_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fs_io, "usable_cpus", lambda: 2)
+    assert DualQueuePool(4, 4).batch_slices == 2
+    monkeypatch.setattr(fs_io, "usable_cpus", lambda: 64)
+    assert DualQueuePool(4, 4).batch_slices == 8
+    assert DualQueuePool(4, 4, batch_slices=3).batch_slices == 3
+    with pytest.raises(ValueError):
+        DualQueuePool(1, 1, batch_slices=0)
+
+
+@pytest.mark.anyio
+async def test_a_batch_of_n_slices_runs_as_n_pool_tasks() -> None:
+    pool = DualQueuePool(2, 2, batch_slices=3)
+    pool.start()
+    try:
+        assert await pool.run_batch(IOQueue.READ, lambda i: i * i, [(i,) for i in range(10)]) == [i * i for i in range(10)]
+    finally:
+        await pool.aclose()
+    assert pool.statistics().completed == 3  # slices of 4, 4 and 2 calls
 
 
 @pytest.mark.anyio
@@ -375,16 +430,16 @@ async def test_a_batch_wakes_the_loop_once_not_once_per_call(monkeypatch: pytest
         outcomes = await pool.run_batch(IOQueue.READ, lambda i: i, [(i,) for i in range(64)])
     finally:
         await pool.aclose()
-    assert [o.value for o in outcomes] == list(range(64))
+    assert outcomes == list(range(64))
     assert len(dispatches) == 2  # the batch's wake-up, and the final sweep of aclose
 
 
 @pytest.mark.anyio
 async def test_cancelling_a_batch_withdraws_queued_calls_and_waits_for_running_ones() -> None:
-    # Calls are queued in slices of `size`; 2 workers x _SLICES_PER_WORKER slices in all.
-    pool = DualQueuePool(1, 1)
+    # Calls are queued in `batch_slices` slices of `size` calls.
+    n_slices = 4
+    pool = DualQueuePool(1, 1, batch_slices=n_slices)
     size = 3
-    n_slices = 2 * _SLICES_PER_WORKER
     started, release = threading.Barrier(3, timeout=10), threading.Event()
     ran: list[int] = []
 

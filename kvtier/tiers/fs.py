@@ -46,6 +46,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, ClassVar
 
 import anyio
@@ -57,6 +58,7 @@ from kvtier.tiers import fs_io
 from kvtier.tiers.base import ChunkCorrupt, ChunkNotFound, SecondaryTier, TierContext, TierIOError
 from kvtier.tiers.fs_io import DualQueuePool, IOQueue, ScanResult
 from kvtier.tiers.integrity import (
+    ACCEPTED_VERIFIED,
     REJECT_REASONS,
     SizeClass,
     Verdict,
@@ -253,8 +255,9 @@ class DiskIndex:
 # ------------------------------------------------------------------------------------------------
 
 
-def _load_verified(path: str, dst: memoryview, o_direct: bool) -> Verdict:
-    """Read ``path`` into ``dst`` and verify it; on rejection zero ``dst`` and remove the file."""
+def _load_verified(ns: Namespace, o_direct: bool, key: bytes, dst: memoryview) -> Verdict:
+    """Read chunk ``key`` into ``dst`` and verify it; on rejection zero ``dst`` and remove the file."""
+    path = ns.chunk_path(key)
     verdict = fs_io.load_chunk(path, dst, o_direct=o_direct)
     if not verdict.ok:
         # Defence in depth: the manager frees the slot on failure, but never leave bytes that
@@ -267,15 +270,15 @@ def _load_verified(path: str, dst: memoryview, o_direct: bool) -> Verdict:
     return verdict
 
 
-def _store(path: str, src: memoryview, o_direct: bool, victims: Sequence[str] = ()) -> int:
-    """Remove the eviction ``victims`` (files), then publish ``src`` with its trailer at ``path``.
+def _store(ns: Namespace, o_direct: bool, key: bytes, src: memoryview, victims: Sequence[bytes] = ()) -> int:
+    """Remove the eviction ``victims`` (keys), then publish ``src`` with its trailer as chunk ``key``.
 
     Evicting in the same pool task, before the write, keeps the on-disk cap while the chunk is
     written without a second hand-off. Returns the bytes written (0 when already present).
     """
     if victims:
-        _remove_all(victims)
-    return fs_io.write_chunk(path, src, make_trailer_page(src), o_direct=o_direct)
+        _remove_all([ns.chunk_path(victim) for victim in victims])
+    return fs_io.write_chunk(ns.chunk_path(key), src, make_trailer_page(src), o_direct=o_direct)
 
 
 def _stat_sizes(paths: Sequence[str]) -> list[int | None]:
@@ -500,7 +503,7 @@ class FileSystemTier(SecondaryTier):
         A failed chunk is dropped from the index again; cancellation waits for running writes.
         """
         outcomes: list[BaseException | None] = [None] * len(items)
-        calls: list[tuple[str, memoryview, bool, list[str]]] = []
+        calls: list[tuple[bytes, memoryview, list[bytes]]] = []
         started: list[tuple[int, bool]] = []  # (item index, newly reserved)
         for i, (key, src) in enumerate(items):
             already_known = key in self.index
@@ -515,21 +518,20 @@ class FileSystemTier(SecondaryTier):
                     continue
             self.index.pin(key)
             self._report_evictions(victims)
-            calls.append((self.namespace.chunk_path(key), src, self.o_direct,
-                          [self.namespace.chunk_path(k) for k, _ in victims]))
+            calls.append((key, src, [k for k, _ in victims]))
             started.append((i, not already_known))
         self._publish_usage()
-        results: list[fs_io.Outcome[int]] | None = None
+        results: list[int | BaseException] | None = None
         try:
-            results = await self._pool.run_batch(IOQueue.WRITE, _store, calls)
+            results = await self._pool.run_batch(IOQueue.WRITE, partial(_store, self.namespace, self.o_direct), calls)
         finally:
             for n, (i, reserved) in enumerate(started):
                 key = items[i][0]
                 self.index.unpin(key)
-                error = results[n].error if results is not None else None
-                if error is not None:
-                    outcomes[i] = error
-                if reserved and (results is None or error is not None):
+                result = results[n] if results is not None else None
+                if isinstance(result, BaseException):
+                    outcomes[i] = result
+                if reserved and (results is None or outcomes[i] is not None):
                     self.index.remove(key)  # not on disk after all (or unknown, if cancelled)
             self._publish_usage()
         return outcomes
@@ -539,41 +541,47 @@ class FileSystemTier(SecondaryTier):
         wake-up of the loop per job. Each chunk is read into its slot and verified on the worker;
         per chunk the outcome is ``None``, :class:`ChunkNotFound` or :class:`ChunkCorrupt` (the
         file was removed, the slot zeroed) or the ``OSError``. Chunks being read are never evicted.
+
+        The loop's share per chunk is kept to a few dictionary operations (paths are built on the
+        workers): at page-cache speeds, Python run on the loop thread under the GIL stalls the
+        workers as surely as their own.
         """
+        index = self.index
         for key, _ in items:
-            self.index.pin(key)
+            index.pin(key)
         try:
-            results = await self._pool.run_batch(
-                IOQueue.READ, _load_verified,
-                [(self.namespace.chunk_path(key), dst, self.o_direct) for key, dst in items],
-            )
+            results = await self._pool.run_batch(IOQueue.READ, partial(_load_verified, self.namespace, self.o_direct),
+                                                 items)
         finally:
             for key, _ in items:
-                self.index.unpin(key)
-        outcomes = [self._settle_read(key, dst, result) for (key, dst), result in zip(items, results)]
+                index.unpin(key)
+        outcomes = [self._settle_read(key, len(dst), result) for (key, dst), result in zip(items, results)]
         self._publish_usage()
         return outcomes
 
-    def _settle_read(self, key: bytes, dst: memoryview, result: fs_io.Outcome[Verdict]) -> BaseException | None:
+    def _settle_read(self, key: bytes, nbytes: int, result: Verdict | BaseException) -> BaseException | None:
         """Book one finished chunk read; the exception that chunk fails with, or None."""
-        if result.error is not None:
-            if isinstance(result.error, FileNotFoundError):
+        if result is ACCEPTED_VERIFIED:  # the common case first
+            if key in self.index:
+                self.index.touch(key)
+            else:
+                self.index.add(key, self._file_bytes)
+            return None
+        if isinstance(result, BaseException):
+            if isinstance(result, FileNotFoundError):
                 self.index.remove(key)
                 return ChunkNotFound(f"chunk file {self.namespace.chunk_relpath(key)} is gone")
-            return result.error
-        verdict = result.value
-        assert verdict is not None
-        if not verdict.ok:
-            assert verdict.reason is not None
-            self._rejected.inc(1, verdict.reason)
+            return result
+        if not result.ok:
+            assert result.reason is not None
+            self._rejected.inc(1, result.reason)
             self.index.remove(key)
-            return ChunkCorrupt(f"chunk file {self.namespace.chunk_relpath(key)} rejected: {verdict.reason}")
-        if not verdict.verified:
-            self._unverified.inc()
+            return ChunkCorrupt(f"chunk file {self.namespace.chunk_relpath(key)} rejected: {result.reason}")
+        self._unverified.inc()  # a trailer-less file of exactly one slot (written by vLLM)
         if key in self.index:
             self.index.touch(key)
         else:
-            self.index.add(key, len(dst) if not verdict.verified else self._file_bytes)
+            self.index.add(key, nbytes)
         return None
 
     async def delete(self, key: bytes) -> None:
