@@ -38,6 +38,7 @@ import http.client
 import json
 import logging
 import math
+import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -457,22 +458,34 @@ async def self_test(server: PrefillServer, port: int) -> None:
 
 
 # --- entry point -------------------------------------------------------------------------------------------
+async def stop_on_signal(signals: Any, scope: anyio.CancelScope) -> None:
+    """SIGINT or SIGTERM: stop serving; leaving ``kvtier.open`` then closes the engine."""
+    async for signum in signals:
+        print(f"{signal.Signals(signum).name}: shutting down", flush=True)
+        scope.cancel()
+        return
+
+
 async def run(args: argparse.Namespace) -> int:
     pool = BlockPool(GEOMETRY, args.device_blocks)
     passed = True
-    async with kvtier.open(engine_config(args.host_slots), GEOMETRY, pool.kv) as engine:
-        server = PrefillServer(engine, pool, ToyModel(GEOMETRY), args.max_tokens)
-        async with anyio.create_task_group() as tg:
-            port = await tg.start(server.serve, args.host, 0 if args.self_test else args.port)
-            print(f"listening on http://{args.host}:{port} ({args.backend})", flush=True)
-            # Without --self-test the task group waits on serve() until the process is interrupted.
-            if args.self_test:
-                try:
-                    await self_test(server, port)
-                except SelfTestFailed as exc:
-                    print(f"self-test FAILED: {exc}")
-                    passed = False
-                tg.cancel_scope.cancel()  # stop serving; leaving kvtier.open closes the engine
+    # Signals are received as events (installed before the banner), not as KeyboardInterrupt:
+    # an interrupt landing anywhere in the loop could otherwise be lost in a shielded section.
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with kvtier.open(engine_config(args.host_slots), GEOMETRY, pool.kv) as engine:
+            server = PrefillServer(engine, pool, ToyModel(GEOMETRY), args.max_tokens)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(stop_on_signal, signals, tg.cancel_scope)
+                port = await tg.start(server.serve, args.host, 0 if args.self_test else args.port)
+                print(f"listening on http://{args.host}:{port} ({args.backend})", flush=True)
+                # Without --self-test the task group waits on serve() until SIGINT or SIGTERM.
+                if args.self_test:
+                    try:
+                        await self_test(server, port)
+                    except SelfTestFailed as exc:
+                        print(f"self-test FAILED: {exc}")
+                        passed = False
+                    tg.cancel_scope.cancel()  # stop serving; leaving kvtier.open closes the engine
     if args.self_test and passed:
         print("self-test passed")
     return 0 if passed else 1

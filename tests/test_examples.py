@@ -120,9 +120,10 @@ def test_example_runs_and_prints_its_results(name: str, args: tuple[str, ...], l
         assert line in result.stdout, f"missing {line!r}\n{report}"
 
 
-def test_server_serves_http_until_interrupted(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("signum", "backend"), [(signal.SIGINT, "asyncio"), (signal.SIGTERM, "trio")])
+def test_server_serves_http_until_interrupted(tmp_path: Path, signum: signal.Signals, backend: str) -> None:
     process = subprocess.Popen(
-        [sys.executable, str(EXAMPLES / "embed_async_server.py"), "--port", "0"],
+        [sys.executable, str(EXAMPLES / "embed_async_server.py"), "--port", "0", "--backend", backend],
         cwd=tmp_path, env=example_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -142,10 +143,10 @@ def test_server_serves_http_until_interrupted(tmp_path: Path) -> None:
         with urllib.request.urlopen(f"{url}/stats", timeout=10) as response:
             stats = json.loads(response.read())
         assert stats["requests"] == 2 and stats["cached_tokens"] == 32
-        process.send_signal(signal.SIGINT)
+        process.send_signal(signum)
         out, err = process.communicate(timeout=TIMEOUT_S)
         assert process.returncode == 0, err
-        assert "shutting down" in out
+        assert f"{signum.name}: shutting down" in out
     finally:
         if process.poll() is None:
             process.kill()

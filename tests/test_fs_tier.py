@@ -477,6 +477,19 @@ async def test_unbounded_warning_is_logged_once_per_directory_not_per_open(
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("o_direct", [False, True])
+async def test_jobs_are_cut_per_core_for_page_cache_io_and_per_worker_for_o_direct(
+    tmp_path: Path, host: SlotBuffer, monkeypatch: pytest.MonkeyPatch, o_direct: bool
+) -> None:
+    monkeypatch.setattr(fs_io, "usable_cpus", lambda: 1)
+    monkeypatch.setattr(fs_io, "probe_o_direct", lambda directory: o_direct)
+    tier = make_tier(tmp_path, host)  # 2 read + 2 write workers
+    async with running(tier):
+        assert tier.o_direct is o_direct
+        assert tier._pool.batch_slices == (4 if o_direct else 1)
+
+
+@pytest.mark.anyio
 async def test_a_job_is_handed_to_the_pool_as_one_batch(tmp_path: Path, host: SlotBuffer) -> None:
     tier = make_tier(tmp_path, host)
     batches: list[int] = []

@@ -28,9 +28,11 @@ Semantics callers rely on:
   re-synchronised every ``rescan_interval_s`` with what other processes added or deleted.
 * **Whole jobs per hand-off**: the tier implements the base's batch hooks
   (:meth:`FileSystemTier.write_many` / :meth:`FileSystemTier.read_many`): a job's chunks are
-  queued on the dual-queue pool together, run in parallel on its workers (checksums included, off
-  the event loop), and wake the loop once per job — not once per chunk, which cost more CPU than
-  the I/O itself at page-cache speeds.
+  queued on the dual-queue pool together — cut into one slice per CPU core for page-cache
+  (buffered) I/O, which is CPU work, and one per worker for ``O_DIRECT``, which waits on the
+  device — run in parallel on its workers (paths and checksums included, off the event loop),
+  and wake the loop once per job — not once per chunk, which cost more CPU than the I/O itself
+  at page-cache speeds. Reads open files ``O_NOATIME`` where the process owns them.
 * **Faults** (ENOSPC, EIO, EACCES, missing directories or files) fail only the chunk concerned
   (the base class counts them by reason); a failed store leaves no file behind.
 """
@@ -389,7 +391,11 @@ class FileSystemTier(SecondaryTier):
             await self._pool.run(IOQueue.WRITE, os.makedirs, self.namespace.blocks_dir, 0o755, True)
             await self._pool.run(IOQueue.WRITE, ensure_config_json, self.namespace)
             self.o_direct = await self._pool.run(IOQueue.WRITE, fs_io.probe_o_direct, self.namespace.blocks_dir)
-            if not self.o_direct:
+            if self.o_direct:
+                # O_DIRECT transfers wait on the device, not on a CPU: give a job to every worker
+                # (the pool's default, one slice per core, suits page-cache copies).
+                self._pool.batch_slices = self.n_read_threads + self.n_write_threads
+            else:
                 logger.warning("tier %s: O_DIRECT is not available under %s; using buffered I/O",
                                self.label, self.namespace.blocks_dir)
             scan = await self._pool.run(IOQueue.READ, self._scan, self.stale_tmp_grace_s)
