@@ -25,7 +25,7 @@ tokens with ids in [0, 2**31) (400); bad JSON is a 400 naming the problem; a ful
 too many connections is a 503. The server runs on anyio streams, so it serves on asyncio (the
 default) or trio (``--backend trio``)::
 
-    python examples/embed_async_server.py --port 8080
+    python examples/embed_async_server.py --port 8080            # until SIGINT (Ctrl-C) or SIGTERM
     python examples/embed_async_server.py --self-test            # ephemeral port, checks, exit 0
     python examples/embed_async_server.py --self-test --backend trio
 """
