@@ -156,6 +156,7 @@ def test_load_chunk_does_not_see_a_previous_reads_trailer(tmp_path: Path) -> Non
     assert fs_io.load_chunk(str(torn), _slot(0), o_direct=False).reason == "short"
 
 
+@pytest.mark.skipif(not hasattr(os, "O_NOATIME"), reason="O_NOATIME is Linux-only")
 def test_loads_leave_the_access_time_alone(tmp_path: Path) -> None:
     src = _slot(0x31)
     path = str(tmp_path / "c.bin")
@@ -171,6 +172,7 @@ def test_loads_leave_the_access_time_alone(tmp_path: Path) -> None:
     assert os.stat(path).st_atime_ns == 1_000_000_000
 
 
+@pytest.mark.skipif(not hasattr(os, "O_NOATIME"), reason="O_NOATIME is Linux-only")
 def test_a_file_of_another_owner_is_read_without_o_noatime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     src = _slot(0x32)
     path = str(tmp_path / "c.bin")
