@@ -8,6 +8,7 @@ import time
 import anyio
 import pytest
 import torch
+from kv_blocks import block_equals, fill_block
 
 import kvtier
 from kvtier import ConfigError, KVGeometry
@@ -35,18 +36,6 @@ def tiering_config(slots: int = 16, tiers: list[dict] | None = None) -> dict:
         "cpu_bytes_to_use": slots * slot_bytes,
         "secondary_tiers": tiers if tiers is not None else [{"type": "memory", "capacity_bytes": 1 << 30}],
     }
-
-
-def fill_block(kv: list[torch.Tensor], block: int, gen: torch.Generator) -> list[torch.Tensor]:
-    data = []
-    for layer in kv:
-        layer[block].copy_(torch.randn(layer[block].shape, generator=gen).to(layer.dtype))
-        data.append(layer[block].clone())
-    return data
-
-
-def block_equals(kv: list[torch.Tensor], block: int, expected: list[torch.Tensor]) -> bool:
-    return all(torch.equal(layer[block], exp) for layer, exp in zip(kv, expected))
 
 
 def prompts(n: int, tokens_per_prompt: int, seed: int = 0) -> list[list[int]]:

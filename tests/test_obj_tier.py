@@ -19,6 +19,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from kv_blocks import block_equals, fill_block
 from s3server import DUMMY_ACCESS_KEY, DUMMY_SECRET_KEY, S3Server
 
 import kvtier
@@ -87,18 +88,6 @@ def fill(view: memoryview, seed: int) -> bytes:
 
 def device_kv() -> list[torch.Tensor]:
     return [torch.zeros((NUM_BLOCKS, 2, BLOCK, HEADS, DIM), dtype=torch.float16) for _ in range(LAYERS)]
-
-
-def fill_block(kv: list[torch.Tensor], block: int, gen: torch.Generator) -> list[torch.Tensor]:
-    data = []
-    for layer in kv:
-        layer[block].copy_(torch.randn(layer[block].shape, generator=gen).to(layer.dtype))
-        data.append(layer[block].clone())
-    return data
-
-
-def block_equals(kv: list[torch.Tensor], block: int, expected: list[torch.Tensor]) -> bool:
-    return all(torch.equal(layer[block], exp) for layer, exp in zip(kv, expected))
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
