@@ -697,6 +697,30 @@ async def test_batch_read_outcomes_drive_partial_promotion_and_reasons() -> None
 
 
 @pytest.mark.anyio
+async def test_a_bad_slot_id_in_a_batched_job_fails_only_its_chunk(caplog: pytest.LogCaptureFixture) -> None:
+    tier = BatchTier(make_config(), make_context(4))
+    for i in range(4):
+        tier.context.host.view(i)[:] = bytes([i]) * SLOT  # type: ignore[union-attr]
+    [result] = await run_jobs(tier, store(1, [b"a", b"b", b"c"], [0, 99, 2]))
+    assert not result.success and result.failure_reason == "internal"
+    assert tier.batches == [("write", [b"a", b"c"])]
+    assert tier.data == {b"a": bytes([0]) * SLOT, b"c": bytes([2]) * SLOT}
+
+
+def test_slot_views_are_the_slots_in_the_order_asked_and_range_checked() -> None:
+    buffer = SlotBuffer(4, SLOT, pin_memory=False)
+    for i in range(4):
+        buffer.view(i)[:] = bytes([i]) * SLOT
+    assert [bytes(v) for v in buffer.views([3, 0, 3])] == [bytes(buffer.view(i)) for i in (3, 0, 3)]
+    assert buffer.views([]) == []
+    for bad in ([0, 4], [-1]):
+        with pytest.raises(IndexError, match="out of range"):
+            buffer.views(bad)
+    buffer.views([1])[0][:1] = b"z"  # writable, zero-copy
+    assert bytes(buffer.view(1)[:1]) == b"z"
+
+
+@pytest.mark.anyio
 async def test_a_failing_batch_fails_every_chunk_with_its_reason() -> None:
     tier = BatchTier(make_config(), make_context())
     tier.batch_error = TierIOError("throttled")

@@ -625,20 +625,19 @@ class SecondaryTier(abc.ABC):
                 return results
 
     async def _dispatch(self, receive: MemoryObjectReceiveStream[_JobRecord], width: int) -> None:
-        # Jobs leave the queue only when a chunk slot is free, so a slow tier keeps its queue
-        # (and the queue_full back-pressure) meaningful instead of hoarding running tasks.
+        # ``width`` runners share the queue: a job leaves it only when a runner is free, so a slow
+        # tier keeps its queue (and the queue_full back-pressure) meaningful instead of hoarding
+        # running tasks — and no task is spawned per job.
         chunk_limiter = anyio.CapacityLimiter(width)
-        job_slots = anyio.Semaphore(width)
         async with anyio.create_task_group() as tg:
-            while True:
-                await job_slots.acquire()
-                try:
-                    record = await receive.receive()
-                except anyio.EndOfStream:
-                    return
-                tg.start_soon(self._run_job, record, chunk_limiter, job_slots)
+            for _ in range(width):
+                tg.start_soon(self._run_jobs, receive, chunk_limiter)
 
-    async def _run_job(self, record: _JobRecord, limiter: anyio.CapacityLimiter, job_slots: anyio.Semaphore) -> None:
+    async def _run_jobs(self, receive: MemoryObjectReceiveStream[_JobRecord], limiter: anyio.CapacityLimiter) -> None:
+        async for record in receive:
+            await self._run_job(record, limiter)
+
+    async def _run_job(self, record: _JobRecord, limiter: anyio.CapacityLimiter) -> None:
         job = record.job
         self._jobs_running[record.direction] += 1
         reasons: list[str | None] = [None] * len(job.keys)
@@ -653,7 +652,6 @@ class SecondaryTier(abc.ABC):
             self._complete(record, reasons, time.monotonic() - started)
         finally:
             self._jobs_running[record.direction] -= 1
-            job_slots.release()
 
     async def _run_chunk(self, record: _JobRecord, i: int, reasons: list[str | None], limiter: anyio.CapacityLimiter) -> None:
         job = record.job
@@ -689,15 +687,18 @@ class SecondaryTier(abc.ABC):
             for i in range(len(job.keys)):
                 self._chunk_failed(record, i, TierIOError("internal", "tier has no host buffer"), reasons)
             return
-        views: list[memoryview] = []
-        pending: list[int] = []
-        for i, slot_id in enumerate(job.slot_ids):
-            try:
-                views.append(host.view(slot_id))
-                pending.append(i)
-            except Exception as exc:  # a bad slot id fails its chunk only, as on the per-chunk path
-                views.append(memoryview(b""))
-                self._chunk_failed(record, i, exc, reasons)
+        try:
+            views = host.views(job.slot_ids)
+            pending = list(range(len(views)))
+        except Exception:  # a bad slot id fails its chunk only, as on the per-chunk path
+            views, pending = [], []
+            for i, slot_id in enumerate(job.slot_ids):
+                try:
+                    views.append(host.view(slot_id))
+                    pending.append(i)
+                except Exception as exc:
+                    views.append(memoryview(b""))
+                    self._chunk_failed(record, i, exc, reasons)
         if job.is_promotion:
             if pending:
                 await self._call_batch(record, self.read_many, pending, views, reasons)

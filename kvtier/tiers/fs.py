@@ -162,6 +162,15 @@ class DiskIndex:
         if key in self._entries:
             self._entries.move_to_end(key)
 
+    def touch_or_add(self, keys: Iterable[bytes], size: int) -> None:
+        """Each key becomes the most recent; one not in the index yet is added with ``size``."""
+        entries = self._entries
+        for key in keys:
+            if key in entries:
+                entries.move_to_end(key)
+            else:
+                self.add(key, size)
+
     def add(self, key: bytes, size: int, stored_at: float | None = None) -> None:
         """Record ``key`` as present (most recent); replaces a previous size."""
         old = self._entries.pop(key, None)
@@ -186,6 +195,15 @@ class DiskIndex:
             self._busy[key] = left
         else:
             del self._busy[key]
+
+    def pin_all(self, keys: Iterable[bytes]) -> None:
+        busy = self._busy
+        for key in keys:
+            busy[key] = busy.get(key, 0) + 1
+
+    def unpin_all(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            self.unpin(key)
 
     def reserve(self, key: bytes, size: int) -> list[tuple[bytes, float]]:
         """Count ``size`` bytes for ``key`` now and pick victims so that ``used ≤ capacity``.
@@ -552,16 +570,19 @@ class FileSystemTier(SecondaryTier):
         workers): at page-cache speeds, Python run on the loop thread under the GIL stalls the
         workers as surely as their own.
         """
-        index = self.index
-        for key, _ in items:
-            index.pin(key)
+        keys = [key for key, _ in items]
+        self.index.pin_all(keys)
         try:
             results = await self._pool.run_batch(IOQueue.READ, partial(_load_verified, self.namespace, self.o_direct),
                                                  items)
         finally:
-            for key, _ in items:
-                index.unpin(key)
-        outcomes = [self._settle_read(key, len(dst), result) for (key, dst), result in zip(items, results)]
+            self.index.unpin_all(keys)
+        outcomes: list[BaseException | None]
+        if all(result is ACCEPTED_VERIFIED for result in results):  # the common case, in one pass
+            self.index.touch_or_add(keys, self._file_bytes)
+            outcomes = [None] * len(items)
+        else:
+            outcomes = [self._settle_read(key, len(dst), result) for (key, dst), result in zip(items, results)]
         self._publish_usage()
         return outcomes
 

@@ -9,6 +9,7 @@ engines see the same bytes as a ``uint8`` tensor of shape ``[num_slots, slot_byt
 from __future__ import annotations
 
 import mmap
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -54,6 +55,14 @@ class SlotBuffer:
             raise IndexError(f"slot {slot_id} out of range [0, {self.num_slots})")
         start = slot_id * self.slot_bytes
         return self._view[start : start + self.slot_bytes]
+
+    def views(self, slot_ids: Sequence[int]) -> list[memoryview]:
+        """:meth:`view` of each slot (one range check for all: a job's slots, in its order)."""
+        if slot_ids and not (0 <= min(slot_ids) and max(slot_ids) < self.num_slots):
+            bad = next(s for s in slot_ids if not 0 <= s < self.num_slots)
+            raise IndexError(f"slot {bad} out of range [0, {self.num_slots})")
+        full, n = self._view, self.slot_bytes
+        return [full[s * n : (s + 1) * n] for s in slot_ids]
 
     def close(self) -> None:
         """Release the buffer. Views handed out must no longer be used."""
