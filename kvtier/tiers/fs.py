@@ -589,10 +589,7 @@ class FileSystemTier(SecondaryTier):
     def _settle_read(self, key: bytes, nbytes: int, result: Verdict | BaseException) -> BaseException | None:
         """Book one finished chunk read; the exception that chunk fails with, or None."""
         if result is ACCEPTED_VERIFIED:  # the common case first
-            if key in self.index:
-                self.index.touch(key)
-            else:
-                self.index.add(key, self._file_bytes)
+            self.index.touch_or_add((key,), self._file_bytes)
             return None
         if isinstance(result, BaseException):
             if isinstance(result, FileNotFoundError):
@@ -605,10 +602,7 @@ class FileSystemTier(SecondaryTier):
             self.index.remove(key)
             return ChunkCorrupt(f"chunk file {self.namespace.chunk_relpath(key)} rejected: {result.reason}")
         self._unverified.inc()  # a trailer-less file of exactly one slot (written by vLLM)
-        if key in self.index:
-            self.index.touch(key)
-        else:
-            self.index.add(key, nbytes)
+        self.index.touch_or_add((key,), nbytes)
         return None
 
     async def delete(self, key: bytes) -> None:
