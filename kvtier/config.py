@@ -490,6 +490,8 @@ TIER_SCHEMAS: Mapping[str, Mapping[str, KeySpec]] = {
         "eviction_policy": KeySpec("str", default="lru", non_empty=True, max_len=256),
         "stale_tmp_grace_s": KeySpec("float", default=3600.0, ge=0),
         "rescan_interval_s": KeySpec("float", default=30.0, gt=0),
+        "accept_unverified_chunks": KeySpec("bool", default=False,
+                                            help="load trailer-less (vLLM-written) chunks with no integrity check"),
     },
     "memory": {
         "capacity_bytes": KeySpec("int", gt=0),
@@ -508,6 +510,8 @@ TIER_SCHEMAS: Mapping[str, Mapping[str, KeySpec]] = {
         "io_threads": KeySpec("int", default=4, ge=1, le=256),
         "request_timeout_s": KeySpec("float", default=10.0, gt=0),
         "lookup_timeout_s": KeySpec("float", default=5.0, gt=0),
+        "accept_unverified_chunks": KeySpec("bool", default=False,
+                                            help="load trailer-less (vLLM-written) chunks with no integrity check"),
     },
     "p2p": {
         "host": KeySpec("str", non_empty=True, max_len=255, check=_no_nul, env_default=_env_host),

@@ -43,6 +43,7 @@ __all__ = [
     "Namespace",
     "normalize_dtype",
     "run_digest",
+    "run_fingerprint",
     "namespace",
 ]
 
@@ -273,9 +274,18 @@ def _canonical_json(fields: Mapping[str, Any]) -> str:
         raise ConfigError(f"run fields must be JSON-serializable: {exc}") from None
 
 
+def run_fingerprint(fields: Mapping[str, Any]) -> bytes:
+    """SHA-256 over the UTF-8 of the sorted, compact JSON of ``fields`` (all 32 bytes).
+
+    Chunk trailers record it (:mod:`kvtier.tiers.integrity`), so a chunk proves which run wrote it
+    even where the 12-character :func:`run_digest` of the directory name could collide.
+    """
+    return hashlib.sha256(_canonical_json(fields).encode("utf-8")).digest()
+
+
 def run_digest(fields: Mapping[str, Any]) -> str:
     """First 12 lowercase hex chars of SHA-256 over the UTF-8 of the sorted, compact JSON of ``fields``."""
-    return hashlib.sha256(_canonical_json(fields).encode("utf-8")).hexdigest()[:_DIGEST_CHARS]
+    return run_fingerprint(fields).hex()[:_DIGEST_CHARS]
 
 
 def _check_path_text(what: str, text: str) -> None:
@@ -314,6 +324,18 @@ class Namespace:
     base_dir: str
     blocks_dir: str
     fields: Mapping[str, Any] = field(compare=False, repr=False)
+    #: :func:`run_fingerprint` of ``fields`` (what chunk trailers record).
+    fingerprint: bytes = field(default=b"", compare=False, repr=False)
+
+    @property
+    def leaf(self) -> str:
+        """The name of ``base_dir`` inside ``root`` (``<model>_<digest>``)."""
+        return self.base_dir.rsplit("/", 1)[-1]
+
+    @property
+    def blocks_leaf(self) -> str:
+        """The name of ``blocks_dir`` inside ``root`` (``<model>_<digest>_r<rank>``)."""
+        return self.blocks_dir.rsplit("/", 1)[-1]
 
     @property
     def config_dir(self) -> str:
@@ -376,7 +398,8 @@ def namespace(root: str, fields: Mapping[str, Any], rank: int) -> Namespace:
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
         raise ConfigError(f"rank must be a non-negative integer, got {rank!r}")
     model = _model_segment(fields.get("model_name"))
-    digest = run_digest(fields)
+    fingerprint = run_fingerprint(fields)
+    digest = fingerprint.hex()[:_DIGEST_CHARS]
     if "parallel_agnostic" not in fields:
         rank = 0
     leaf = f"{model}_{digest}"
@@ -389,4 +412,5 @@ def namespace(root: str, fields: Mapping[str, Any], rank: int) -> Namespace:
         base_dir=base_dir,
         blocks_dir=f"{base_dir}_r{rank}",
         fields=frozen_fields,
+        fingerprint=fingerprint,
     )

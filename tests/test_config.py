@@ -261,6 +261,7 @@ TIER_DEFAULTS: dict[str, dict[str, Any]] = {
         "eviction_policy": "lru",
         "stale_tmp_grace_s": 3600.0,
         "rescan_interval_s": 30.0,
+        "accept_unverified_chunks": False,
     },
     "memory": {"capacity_bytes": 1 << 20},
     "obj": {
@@ -278,6 +279,7 @@ TIER_DEFAULTS: dict[str, dict[str, Any]] = {
         "io_threads": 4,
         "request_timeout_s": 10.0,
         "lookup_timeout_s": 5.0,
+        "accept_unverified_chunks": False,
     },
     "p2p": {
         "host": "localhost",

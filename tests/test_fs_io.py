@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import mmap
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
 import pytest
 
+from kvtier.keys import make_offload_key
 from kvtier.tiers import fs_io
 from kvtier.tiers.fs_io import DualQueuePool, IOQueue
-from kvtier.tiers.integrity import SizeClass, make_trailer_page, verify
+from kvtier.tiers.integrity import SizeClass, identity, make_trailer_page, verify
 
 SLOT = 16384
+ME = identity(make_offload_key(hashlib.sha256(b"c").digest(), 0), hashlib.sha256(b"run").digest())
 
 
 def _slot(fill: int) -> memoryview:
@@ -25,88 +29,128 @@ def _slot(fill: int) -> memoryview:
     return memoryview(buf)
 
 
+def _page(src: memoryview | bytes) -> bytes:
+    return make_trailer_page(src, ME)
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Iterator[int]:
+    """A descriptor of ``tmp_path``: the primitives work beneath a directory the tier holds open."""
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    yield fd
+    os.close(fd)
+
+
 @pytest.fixture(params=[False, True], ids=["buffered", "o_direct"])
-def o_direct(request: pytest.FixtureRequest, tmp_path: Path) -> bool:
-    if request.param and not fs_io.probe_o_direct(str(tmp_path)):
+def o_direct(request: pytest.FixtureRequest, tree: int) -> bool:
+    if request.param and not fs_io.probe_o_direct(tree):
         pytest.skip("this filesystem has no O_DIRECT")  # the buffered variant still runs
     return bool(request.param)
 
 
-def test_write_then_read_round_trips_with_trailer(tmp_path: Path, o_direct: bool) -> None:
+def test_write_then_read_round_trips_with_trailer(tmp_path: Path, tree: int, o_direct: bool) -> None:
     src = _slot(0xAB)
-    path = str(tmp_path / "abc" / "de_g0" / "abcdef00.bin")
-    assert fs_io.write_chunk(path, src, make_trailer_page(src), o_direct=o_direct) == SLOT + 4096
-    assert os.path.getsize(path) == SLOT + 4096
+    rel = "abc/de_g0/abcdef00.bin"
+    assert fs_io.write_chunk(tree, rel, src, _page(src), o_direct=o_direct) == SLOT + 4096
+    assert os.path.getsize(tmp_path / rel) == SLOT + 4096
     dst = _slot(0)
-    outcome = fs_io.read_chunk(path, dst, o_direct=o_direct)
+    outcome = fs_io.read_chunk(tree, rel, dst, o_direct=o_direct)
     assert outcome.size_class is SizeClass.TRAILERED
     assert bytes(dst) == bytes(src)
-    assert verify(dst, outcome.trailer_page).verified
+    assert verify(dst, outcome.trailer_page, ME).verified
 
 
-def test_existing_final_file_is_a_finished_chunk_and_is_not_rewritten(tmp_path: Path) -> None:
-    path = str(tmp_path / "c.bin")
+def test_existing_final_file_is_a_finished_chunk_and_is_not_rewritten(tree: int) -> None:
     first = _slot(1)
-    fs_io.write_chunk(path, first, make_trailer_page(first), o_direct=False)
+    fs_io.write_chunk(tree, "c.bin", first, _page(first), o_direct=False)
     second = _slot(2)
-    assert fs_io.write_chunk(path, second, make_trailer_page(second), o_direct=False) == 0
+    assert fs_io.write_chunk(tree, "c.bin", second, _page(second), o_direct=False) == 0
     dst = _slot(0)
-    fs_io.read_chunk(path, dst, o_direct=False)
+    fs_io.read_chunk(tree, "c.bin", dst, o_direct=False)
     assert bytes(dst) == bytes(first)
 
 
-def test_failed_write_leaves_no_temporary_or_final_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_file_of_another_size_under_the_name_is_replaced(tmp_path: Path, tree: int) -> None:
+    (tmp_path / "c.bin").write_bytes(b"\x07" * SLOT)  # trailer-less (vLLM's format)
+    src = _slot(4)
+    assert fs_io.write_chunk(tree, "c.bin", src, _page(src), o_direct=False) == SLOT + 4096
+    assert (tmp_path / "c.bin").read_bytes() == bytes(src) + _page(src)
+
+
+def test_failed_write_leaves_no_temporary_or_final_file(tmp_path: Path, tree: int,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     def no_space(*args: object) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(fs_io.os, "pwritev", no_space)
     src = _slot(3)
     with pytest.raises(OSError) as info:
-        fs_io.write_chunk(str(tmp_path / "c.bin"), src, make_trailer_page(src), o_direct=False)
+        fs_io.write_chunk(tree, "c.bin", src, _page(src), o_direct=False)
     assert info.value.errno == errno.ENOSPC
     assert list(tmp_path.iterdir()) == []
 
 
-def test_short_write_is_an_error_and_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fs_io.os, "pwritev", lambda fd, bufs, off: 100)
+def test_a_short_write_is_retried_and_a_full_disk_is_no_space(tmp_path: Path, tree: int,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # A full disk: the first call writes a little, the retry writes nothing.
+    calls: list[int] = []
+
+    def full(fd: int, bufs: list[memoryview], off: int) -> int:
+        calls.append(off)
+        return 100 if off == 0 else 0
+
+    monkeypatch.setattr(fs_io.os, "pwritev", full)
     src = _slot(3)
     with pytest.raises(OSError) as info:
-        fs_io.write_chunk(str(tmp_path / "c.bin"), src, make_trailer_page(src), o_direct=False)
-    assert info.value.errno == errno.EIO
+        fs_io.write_chunk(tree, "c.bin", src, _page(src), o_direct=False)
+    assert info.value.errno == errno.ENOSPC
+    assert calls == [0, 100]
     assert list(tmp_path.iterdir()) == []
 
 
-def test_read_reports_wrong_sizes_without_reading(tmp_path: Path) -> None:
-    short, long_ = tmp_path / "s.bin", tmp_path / "l.bin"
-    short.write_bytes(b"x" * 100)
-    long_.write_bytes(b"x" * (SLOT + 8192))
+def test_a_short_write_that_can_be_completed_is_completed(tmp_path: Path, tree: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    real = os.pwritev
+
+    def interrupted(fd: int, bufs: list[memoryview], off: int) -> int:
+        if off == 0:  # a signal cut the first call short after 5000 bytes
+            return real(fd, [bufs[0][:5000]], 0)
+        return real(fd, bufs, off)
+
+    monkeypatch.setattr(fs_io.os, "pwritev", interrupted)
+    src = _slot(9)
+    assert fs_io.write_chunk(tree, "c.bin", src, _page(src), o_direct=False) == SLOT + 4096
+    assert (tmp_path / "c.bin").read_bytes() == bytes(src) + _page(src)
+
+
+def test_read_reports_wrong_sizes_without_reading(tmp_path: Path, tree: int) -> None:
+    (tmp_path / "s.bin").write_bytes(b"x" * 100)
+    (tmp_path / "l.bin").write_bytes(b"x" * (SLOT + 8192))
     dst = _slot(0)
-    assert fs_io.read_chunk(str(short), dst, o_direct=False).size_class is SizeClass.SHORT
-    assert fs_io.read_chunk(str(long_), dst, o_direct=False).size_class is SizeClass.LONG
+    assert fs_io.read_chunk(tree, "s.bin", dst, o_direct=False).size_class is SizeClass.SHORT
+    assert fs_io.read_chunk(tree, "l.bin", dst, o_direct=False).size_class is SizeClass.LONG
     assert bytes(dst) == bytes(SLOT)
 
 
-def test_raw_file_of_slot_size_reads_without_trailer(tmp_path: Path) -> None:
-    raw = tmp_path / "r.bin"
-    raw.write_bytes(b"\x05" * SLOT)
+def test_raw_file_of_slot_size_reads_without_trailer(tmp_path: Path, tree: int) -> None:
+    (tmp_path / "r.bin").write_bytes(b"\x05" * SLOT)
     dst = _slot(0)
-    outcome = fs_io.read_chunk(str(raw), dst, o_direct=False)
+    outcome = fs_io.read_chunk(tree, "r.bin", dst, o_direct=False)
     assert outcome.size_class is SizeClass.RAW and outcome.trailer_page is None
     assert bytes(dst) == b"\x05" * SLOT
 
 
-def test_missing_file_raises_file_not_found(tmp_path: Path) -> None:
+def test_missing_file_raises_file_not_found(tree: int) -> None:
     with pytest.raises(FileNotFoundError):
-        fs_io.read_chunk(str(tmp_path / "none.bin"), _slot(0), o_direct=False)
-    assert fs_io.remove_file(str(tmp_path / "none.bin")) is False
+        fs_io.read_chunk(tree, "none.bin", _slot(0), o_direct=False)
+    assert fs_io.remove_file(tree, "none.bin") is False
 
 
-def test_load_chunk_verifies_a_trailered_chunk_in_one_read(tmp_path: Path, o_direct: bool) -> None:
+def test_load_chunk_verifies_a_trailered_chunk_in_one_read(tree: int, o_direct: bool) -> None:
     src = _slot(0x3C)
-    path = str(tmp_path / "c.bin")
-    fs_io.write_chunk(path, src, make_trailer_page(src), o_direct=o_direct)
+    fs_io.write_chunk(tree, "c.bin", src, _page(src), o_direct=o_direct)
     dst = _slot(0)
-    verdict = fs_io.load_chunk(path, dst, o_direct=o_direct)
+    verdict = fs_io.load_chunk(tree, "c.bin", dst, ME, o_direct=o_direct)
     assert verdict.ok and verdict.verified
     assert bytes(dst) == bytes(src)
 
@@ -116,51 +160,51 @@ def test_load_chunk_verifies_a_trailered_chunk_in_one_read(tmp_path: Path, o_dir
     [(100, "short"), (SLOT - 4096, "short"), (SLOT + 1, "short"), (SLOT + 4095, "short"),
      (SLOT + 4097, "long"), (SLOT + 8192, "long"), (SLOT + 3 * 4096, "long")],
 )
-def test_load_chunk_rejects_wrong_sizes_by_what_one_read_returned(tmp_path: Path, size: int, reason: str) -> None:
-    # No stat: the count read into [slot, trailer page, spare page] alone classifies the file.
+def test_load_chunk_rejects_wrong_sizes_by_what_one_read_returned(tmp_path: Path, tree: int, size: int,
+                                                                  reason: str) -> None:
+    # The count read into [slot, trailer page, spare page] alone classifies the file.
     path = tmp_path / "c.bin"
     path.write_bytes(b"x" * size)
-    verdict = fs_io.load_chunk(str(path), _slot(0), o_direct=False)
+    verdict = fs_io.load_chunk(tree, "c.bin", _slot(0), ME, o_direct=False)
     assert not verdict.ok and verdict.reason == reason
     assert path.exists()  # removal is the tier's decision
 
 
-def test_load_chunk_accepts_a_trailerless_slot_sized_file_unverified(tmp_path: Path) -> None:
-    path = tmp_path / "r.bin"
-    path.write_bytes(b"\x05" * SLOT)
+def test_load_chunk_refuses_a_trailerless_file_unless_asked_to_accept_it(tmp_path: Path, tree: int) -> None:
+    (tmp_path / "r.bin").write_bytes(b"\x05" * SLOT)
+    assert fs_io.load_chunk(tree, "r.bin", _slot(0), ME, o_direct=False).reason == "unverified"
     dst = _slot(0)
-    verdict = fs_io.load_chunk(str(path), dst, o_direct=False)
+    verdict = fs_io.load_chunk(tree, "r.bin", dst, ME, o_direct=False, accept_unverified=True)
     assert verdict.ok and not verdict.verified
     assert bytes(dst) == b"\x05" * SLOT
 
 
-def test_load_chunk_reports_a_corrupt_payload_and_a_bad_trailer(tmp_path: Path) -> None:
+def test_load_chunk_reports_a_corrupt_payload_a_bad_trailer_and_another_chunk(tmp_path: Path, tree: int) -> None:
     src = _slot(0x11)
-    page = make_trailer_page(src)
-    flipped = tmp_path / "flipped.bin"
-    flipped.write_bytes(b"\x12" + bytes(src)[1:] + page)
-    bad_magic = tmp_path / "magic.bin"
-    bad_magic.write_bytes(bytes(src) + page[:-32] + b"XXXX" + page[-28:])
-    assert fs_io.load_chunk(str(flipped), _slot(0), o_direct=False).reason == "checksum"
-    assert fs_io.load_chunk(str(bad_magic), _slot(0), o_direct=False).reason == "bad_trailer"
+    page = _page(src)
+    (tmp_path / "flipped.bin").write_bytes(b"\x12" + bytes(src)[1:] + page)
+    (tmp_path / "magic.bin").write_bytes(bytes(src) + page[:-32] + b"XXXX" + page[-28:])
+    other = identity(make_offload_key(hashlib.sha256(b"d").digest(), 0), hashlib.sha256(b"run").digest())
+    (tmp_path / "other.bin").write_bytes(bytes(src) + make_trailer_page(src, other))
+    assert fs_io.load_chunk(tree, "flipped.bin", _slot(0), ME, o_direct=False).reason == "checksum"
+    assert fs_io.load_chunk(tree, "magic.bin", _slot(0), ME, o_direct=False).reason == "bad_trailer"
+    assert fs_io.load_chunk(tree, "other.bin", _slot(0), ME, o_direct=False).reason == "wrong_chunk"
 
 
-def test_load_chunk_does_not_see_a_previous_reads_trailer(tmp_path: Path) -> None:
+def test_load_chunk_does_not_see_a_previous_reads_trailer(tmp_path: Path, tree: int) -> None:
     # The trailer page is thread scratch: a later short file must not be judged by a stale one.
     src = _slot(0x21)
-    good = str(tmp_path / "good.bin")
-    fs_io.write_chunk(good, src, make_trailer_page(src), o_direct=False)
-    assert fs_io.load_chunk(good, _slot(0), o_direct=False).verified
-    torn = tmp_path / "torn.bin"
-    torn.write_bytes(bytes(src) + bytes(4096 - 32))  # trailer page cut before its trailer
-    assert fs_io.load_chunk(str(torn), _slot(0), o_direct=False).reason == "short"
+    fs_io.write_chunk(tree, "good.bin", src, _page(src), o_direct=False)
+    assert fs_io.load_chunk(tree, "good.bin", _slot(0), ME, o_direct=False).verified
+    (tmp_path / "torn.bin").write_bytes(bytes(src) + bytes(4096 - 32))  # cut before its trailer
+    assert fs_io.load_chunk(tree, "torn.bin", _slot(0), ME, o_direct=False).reason == "short"
 
 
 @pytest.mark.skipif(not hasattr(os, "O_NOATIME"), reason="O_NOATIME is Linux-only")
-def test_loads_leave_the_access_time_alone(tmp_path: Path) -> None:
+def test_loads_leave_the_access_time_alone(tmp_path: Path, tree: int) -> None:
     src = _slot(0x31)
-    path = str(tmp_path / "c.bin")
-    fs_io.write_chunk(path, src, make_trailer_page(src), o_direct=False)
+    path = tmp_path / "c.bin"
+    fs_io.write_chunk(tree, "c.bin", src, _page(src), o_direct=False)
     control = tmp_path / "control.bin"
     control.write_bytes(b"c")
     for p in (path, control):
@@ -168,62 +212,67 @@ def test_loads_leave_the_access_time_alone(tmp_path: Path) -> None:
     control.read_bytes()
     if os.stat(control).st_atime_ns == 1_000_000_000:
         pytest.skip("this filesystem never updates access times (noatime mount)")
-    assert fs_io.load_chunk(path, _slot(0), o_direct=False).verified
+    assert fs_io.load_chunk(tree, "c.bin", _slot(0), ME, o_direct=False).verified
     assert os.stat(path).st_atime_ns == 1_000_000_000
 
 
 @pytest.mark.skipif(not hasattr(os, "O_NOATIME"), reason="O_NOATIME is Linux-only")
-def test_a_file_of_another_owner_is_read_without_o_noatime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_file_of_another_owner_is_read_without_o_noatime(tree: int, monkeypatch: pytest.MonkeyPatch) -> None:
     src = _slot(0x32)
-    path = str(tmp_path / "c.bin")
-    fs_io.write_chunk(path, src, make_trailer_page(src), o_direct=False)
+    fs_io.write_chunk(tree, "c.bin", src, _page(src), o_direct=False)
+    monkeypatch.setenv("KVTIER_NO_OPENAT2", "1")  # resolve with os.open, which this test watches
+    monkeypatch.setattr(fs_io.fs_beneath, "_openat2_state", {})
     real_open, flags_seen = os.open, []
 
-    def not_the_owner(p: str, flags: int, *args: int) -> int:
-        flags_seen.append(flags)
-        if flags & os.O_NOATIME:
-            raise PermissionError(errno.EPERM, "Operation not permitted", p)
-        return real_open(p, flags, *args)
+    def not_the_owner(p: str, flags: int, *args: int, **kwargs: int) -> int:
+        if p == "c.bin":
+            flags_seen.append(flags)
+            if flags & os.O_NOATIME:
+                raise PermissionError(errno.EPERM, "Operation not permitted", p)
+        return real_open(p, flags, *args, **kwargs)
 
-    monkeypatch.setattr(fs_io.os, "open", not_the_owner)
+    monkeypatch.setattr(fs_io.fs_beneath.os, "open", not_the_owner)
     dst = _slot(0)
-    assert fs_io.load_chunk(path, dst, o_direct=False).verified
+    assert fs_io.load_chunk(tree, "c.bin", dst, ME, o_direct=False).verified
     assert bytes(dst) == bytes(src)
     assert [bool(f & os.O_NOATIME) for f in flags_seen] == [True, False]
 
 
-def test_load_chunk_raises_file_not_found_for_a_missing_file(tmp_path: Path) -> None:
+def test_load_chunk_raises_file_not_found_for_a_missing_file(tree: int) -> None:
     with pytest.raises(FileNotFoundError):
-        fs_io.load_chunk(str(tmp_path / "none.bin"), _slot(0), o_direct=False)
+        fs_io.load_chunk(tree, "none.bin", _slot(0), ME, o_direct=False)
 
 
-def test_scan_lists_layout_chunks_and_removes_only_stale_temporaries(tmp_path: Path) -> None:
+def test_scan_lists_layout_chunks_and_removes_only_stale_temporaries(tmp_path: Path, tree: int) -> None:
     h = "abcdef0123"
     d = tmp_path / h[:3] / f"{h[3:5]}_g2"
     d.mkdir(parents=True)
     (d / f"{h}.bin").write_bytes(b"x" * 10)
     stale = d / f"{h}.bin_123.tmp"
     fresh = d / f"{h}.bin_456.tmp"
-    stale.write_bytes(b"t")
-    fresh.write_bytes(b"t")
+    stale_probe = tmp_path / f"{fs_io.PROBE_PREFIX}_77"
+    for f in (stale, fresh, stale_probe):
+        f.write_bytes(b"t")
     old = time.time() - 1000
     os.utime(stale, (old, old))
+    os.utime(stale_probe, (old, old))
     (d / "notes.txt").write_text("not ours")
     (d / "ABCDEF0123.bin").write_bytes(b"upper-case is not a chunk name")
     (tmp_path / "zzz").mkdir()
-    result = fs_io.scan_tree(str(tmp_path), tmp_grace_s=100.0)
+    result = fs_io.scan_tree(tree, tmp_grace_s=100.0)
     assert [c.key for c in result.chunks] == [bytes.fromhex(h) + (2).to_bytes(4, "big")]
     assert result.chunks[0].size == 10
-    assert (result.removed_tmp, result.kept_tmp) == (1, 1)
-    assert not stale.exists() and fresh.exists() and (d / "notes.txt").exists()
+    assert (result.removed_tmp, result.kept_tmp) == (2, 1)
+    assert not stale.exists() and not stale_probe.exists()
+    assert fresh.exists() and (d / "notes.txt").exists()
 
 
-def test_scan_of_a_missing_tree_is_empty(tmp_path: Path) -> None:
-    result = fs_io.scan_tree(str(tmp_path / "absent"), tmp_grace_s=0)
+def test_scan_of_an_empty_tree_is_empty(tree: int) -> None:
+    result = fs_io.scan_tree(tree, tmp_grace_s=0)
     assert result.chunks == [] and result.removed_tmp == 0
 
 
-def test_scan_orders_chunks_oldest_first(tmp_path: Path) -> None:
+def test_scan_orders_chunks_oldest_first(tmp_path: Path, tree: int) -> None:
     names = ["aaa111", "bbb222", "ccc333"]
     for age, h in zip((30, 10, 20), names):
         d = tmp_path / h[:3] / f"{h[3:5]}_g0"
@@ -232,8 +281,26 @@ def test_scan_orders_chunks_oldest_first(tmp_path: Path) -> None:
         f.write_bytes(b"x")
         t = time.time() - age
         os.utime(f, (t, t))
-    result = fs_io.scan_tree(str(tmp_path), tmp_grace_s=None)
+    result = fs_io.scan_tree(tree, tmp_grace_s=None)
     assert [c.key[:-4].hex() for c in result.chunks] == ["aaa111", "ccc333", "bbb222"]
+
+
+def test_scan_removes_links_and_pipes_under_layout_names_without_following_them(tmp_path: Path, tree: int) -> None:
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    (outside / "de_g0").mkdir(parents=True)
+    (outside / "de_g0" / "abcdef.bin").write_bytes(b"outside")
+    os.symlink(outside, tmp_path / "abc")  # a shard directory that is a link
+    d = tmp_path / "bbb" / "22_g0"
+    d.mkdir(parents=True)
+    os.symlink(outside / "de_g0" / "abcdef.bin", d / "bbb222.bin")  # a chunk that is a link
+    os.mkfifo(d / "bbb223.bin")  # a chunk that is a pipe
+    (d / "bbb224.bin").write_bytes(b"real")
+    result = fs_io.scan_tree(tree, tmp_grace_s=None)
+    assert [c.key[:-4].hex() for c in result.chunks] == ["bbb224"]
+    assert result.removed_unsafe == 3
+    assert not os.path.lexists(tmp_path / "abc") and not os.path.lexists(d / "bbb222.bin")
+    assert not os.path.lexists(d / "bbb223.bin")
+    assert (outside / "de_g0" / "abcdef.bin").read_bytes() == b"outside"  # the target is untouched
 
 
 # --- the pool ------------------------------------------------------------------------------------

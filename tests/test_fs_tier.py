@@ -27,7 +27,7 @@ from kvtier.layout import KVGeometry, namespace, run_digest
 from kvtier.tiers import fs_io
 from kvtier.tiers.base import JobResult, TierContext, TransferJob
 from kvtier.tiers.fs import FileSystemTier
-from kvtier.tiers.integrity import TRAILER_PAGE, verify
+from kvtier.tiers.integrity import REJECT_REASONS, TRAILER_PAGE, identity
 from kvtier.tiers.slots import SlotBuffer
 from kvtier.types import LookupResult, Medium
 
@@ -329,9 +329,15 @@ async def test_writer_killed_mid_run_leaves_only_verifiable_files_and_startup_re
     files = bin_files(tmp_path)
     assert 20 <= len(files) < 500
     buf = memoryview(bytearray(SLOT))
-    for path in files:
-        outcome = fs_io.read_chunk(str(path), buf, o_direct=False)
-        assert verify(buf, outcome.trailer_page).verified, path
+    tree = os.open(ns.blocks_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for path in files:
+            relpath = str(path.relative_to(ns.blocks_dir))
+            key = ns.key_from_relpath(relpath)
+            assert key is not None
+            assert fs_io.load_chunk(tree, relpath, buf, identity(key, ns.fingerprint), o_direct=False).verified, path
+    finally:
+        os.close(tree)
 
     tier = make_tier(tmp_path, host, stale_tmp_grace_s=60)
     async with running(tier):
@@ -380,7 +386,7 @@ async def test_every_corrupt_file_is_a_miss_is_removed_and_counted_by_reason(
                 # Rejected bytes never stay in the slot; good chunks are exact.
                 assert bytes(host.view(slot)) == (bytes(SLOT) if i in corrupted else expected(i))
         rejected = metric(tier, "fs_rejected_chunks")
-        assert rejected == {(r,): 25.0 for r in reasons}
+        assert rejected == {(r,): 25.0 if r in reasons else 0.0 for r in REJECT_REASONS}
         assert tier.statistics().failures[("load", "corrupt")] == 2
         assert await probe(tier, [key_of(i) for i in corrupted]) == [LookupResult.MISS] * 100
     assert len(bin_files(tmp_path)) == 20
@@ -388,10 +394,33 @@ async def test_every_corrupt_file_is_a_miss_is_removed_and_counted_by_reason(
 
 
 @pytest.mark.anyio
-async def test_trailerless_file_of_exact_slot_size_loads_unverified_other_sizes_are_rejected(
+async def test_trailerless_file_of_exact_slot_size_is_not_a_hit_and_is_left_alone_by_default(
     tmp_path: Path, host: SlotBuffer
 ) -> None:
     tier = make_tier(tmp_path, host)
+    path = Path(tier.namespace.chunk_path(key_of(1)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(expected(1))  # what vLLM writes: the slot's bytes, nothing to verify them by
+    async with running(tier):
+        assert await probe(tier, [key_of(1)]) == [LookupResult.MISS]
+        host.view(0)[:] = b"\xee" * SLOT
+        result = await load(tier, [1])  # a caller with a stale positive verdict still gets no bytes
+        assert not result.success and result.failure_reason == "unverified"
+        assert bytes(host.view(0)) == bytes(SLOT)
+        assert metric(tier, "fs_rejected_chunks")[("unverified",)] == 1
+        assert metric(tier, "fs_unverified_loads").get((), 0) == 0
+        # Storing the chunk replaces the file with a verifiable one, which then loads.
+        assert (await store(tier, host, [1])).success
+        host.view(0)[:] = bytes(SLOT)
+        assert (await load(tier, [1])).success and bytes(host.view(0)) == expected(1)
+    assert path.stat().st_size == FILE
+
+
+@pytest.mark.anyio
+async def test_trailerless_file_of_exact_slot_size_loads_unverified_when_accepted_other_sizes_are_rejected(
+    tmp_path: Path, host: SlotBuffer
+) -> None:
+    tier = make_tier(tmp_path, host, accept_unverified_chunks=True)
     for i, size in ((1, SLOT), (2, SLOT - 4096), (3, SLOT + 4096 - 1)):
         path = Path(tier.namespace.chunk_path(key_of(i)))
         path.parent.mkdir(parents=True, exist_ok=True)

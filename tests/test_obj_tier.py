@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+import struct
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -28,7 +29,7 @@ from kvtier.config import EngineConfig
 from kvtier.keys import make_offload_key
 from kvtier.layout import namespace
 from kvtier.tiers.base import ChunkCorrupt, ChunkNotFound, TierContext, TierIOError, TransferJob
-from kvtier.tiers.integrity import TRAILER_PAGE
+from kvtier.tiers.integrity import TRAILER_PAGE, checksum
 from kvtier.tiers.obj import CircuitBreaker, ObjectStoreTier, object_key
 from kvtier.tiers.slots import SlotBuffer
 from kvtier.types import LookupResult
@@ -178,7 +179,7 @@ async def test_write_then_read_is_byte_identical_and_object_carries_the_trailer(
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("damage", ["flip_byte", "truncate", "bad_trailer"])
+@pytest.mark.parametrize("damage", ["flip_byte", "truncate", "bad_trailer", "swapped", "version_1"])
 async def test_corrupt_object_is_a_miss_deleted_and_counted(s3_server: S3Server, s3_bucket: str, damage: str) -> None:
     tier = make_tier(s3_server, s3_bucket)
     host = tier.context.host
@@ -187,7 +188,8 @@ async def test_corrupt_object_is_a_miss_deleted_and_counted(s3_server: S3Server,
     async with anyio.create_task_group() as tg:
         await tg.start(tier.run)
         fill(host.view(0), 2)
-        tier.submit_store(TransferJob(1, [chunk_key(3)], [0], is_promotion=False))
+        fill(host.view(2), 4)
+        tier.submit_store(TransferJob(1, [chunk_key(3), chunk_key(4)], [0, 2], is_promotion=False))
         [stored] = await wait_for_results(tier, 1)
         assert stored.success
         name = tier.object_key(chunk_key(3))
@@ -196,6 +198,13 @@ async def test_corrupt_object_is_a_miss_deleted_and_counted(s3_server: S3Server,
             blob[100] ^= 0xFF
         elif damage == "truncate":
             blob = blob[: len(blob) - 10]
+        elif damage == "swapped":  # another chunk's valid object copied over this one's name
+            other = tier.object_key(chunk_key(4))
+            blob = bytearray(client.get_object(Bucket=s3_bucket, Key=other)["Body"].read())
+        elif damage == "version_1":  # kvtier 0.1's trailer: intact bytes, but no identity to check
+            payload = bytes(blob[:-TRAILER_PAGE])
+            blob = bytearray(payload + bytes(TRAILER_PAGE - 32)
+                             + struct.pack("<4sHHQQ8x", b"KVTR", 1, 0, len(payload), checksum(payload)))
         else:
             blob[-32:-28] = b"XXXX"
         client.put_object(Bucket=s3_bucket, Key=name, Body=bytes(blob))
@@ -209,9 +218,41 @@ async def test_corrupt_object_is_a_miss_deleted_and_counted(s3_server: S3Server,
         stats = tier.statistics()
         assert stats.failures[("load", "corrupt")] == 1
         rejected = next(m for m in stats.custom_metrics if m.name == "obj_rejected_chunks")
-        expected_reason = {"flip_byte": "checksum", "truncate": "short", "bad_trailer": "bad_trailer"}[damage]
+        expected_reason = {"flip_byte": "checksum", "truncate": "short", "bad_trailer": "bad_trailer",
+                           "swapped": "wrong_chunk", "version_1": "old_version"}[damage]
         assert rejected.values[(expected_reason,)] == 1
+        assert bytes(host.view(1)) == bytes(len(host.view(1)))  # rejected bytes never stay in a slot
         await tier.aclose()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("accept", [False, True], ids=["default", "accept_unverified_chunks"])
+async def test_a_trailerless_object_is_refused_and_kept_unless_accepted(s3_server: S3Server, s3_bucket: str,
+                                                                         accept: bool) -> None:
+    tier = make_tier(s3_server, s3_bucket, accept_unverified_chunks=accept)
+    host = tier.context.host
+    assert host is not None
+    client = s3_server.client()
+    name = tier.object_key(chunk_key(7))
+    data = random.Random(7).randbytes(len(host.view(0)))
+    client.put_object(Bucket=s3_bucket, Key=name, Body=data)  # what vLLM writes: no trailer
+    await tier.open()
+    try:
+        assert list(await tier.contains([chunk_key(7)])) == [accept]
+        host.view(0)[:] = b"\xee" * len(host.view(0))
+        if accept:
+            await tier.read(chunk_key(7), host.view(0))
+            assert bytes(host.view(0)) == data
+        else:
+            with pytest.raises(ChunkNotFound):
+                await tier.read(chunk_key(7), host.view(0))
+            assert bytes(host.view(0)) == bytes(len(data))
+        client.head_object(Bucket=s3_bucket, Key=name)  # never deleted: it may be vLLM's
+        metrics = {m.name: m for m in tier.statistics().custom_metrics}
+        assert metrics["obj_unverified_loads"].values.get((), 0) == (1 if accept else 0)
+        assert metrics["obj_rejected_chunks"].values[("unverified",)] == (0 if accept else 1)
+    finally:
+        await tier.close()
 
 
 @pytest.mark.anyio

@@ -42,7 +42,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import secrets
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -56,15 +58,14 @@ from anyio.abc import TaskStatus
 
 from kvtier.errors import ConfigError
 from kvtier.layout import Namespace, namespace
-from kvtier.tiers import fs_io
+from kvtier.tiers import fs_beneath, fs_io
 from kvtier.tiers.base import ChunkCorrupt, ChunkNotFound, SecondaryTier, TierContext, TierIOError
 from kvtier.tiers.fs_io import DualQueuePool, IOQueue, ScanResult
 from kvtier.tiers.integrity import (
     ACCEPTED_VERIFIED,
     REJECT_REASONS,
-    SizeClass,
     Verdict,
-    classify_size,
+    identity,
     make_trailer_page,
     stored_size,
 )
@@ -84,42 +85,97 @@ _MAX_CONFIG_JSON_BYTES = 1 << 20
 # ------------------------------------------------------------------------------------------------
 
 
-def ensure_config_json(ns: Namespace) -> bool:
-    """Create ``ns.config_path`` if absent (atomically), else verify it describes this run.
+def ensure_config_json(root_fd: int, ns: Namespace, *, tmp_grace_s: float | None = None) -> tuple[bool, int]:
+    """Create ``config.json`` in ``ns``'s config directory beneath ``root_fd`` if absent
+    (atomically), else verify that it describes this run. Returns ``(created, stale_removed)``.
 
-    Returns True when this call created the file. Creation writes a unique temporary file and
-    hard-links it to the final name, so concurrent first starts never see a partial file and
-    never overwrite each other. An existing file whose fields differ from ``ns.fields`` (or
-    that is not valid JSON) raises :class:`ConfigError`: its chunks were written by a different
-    geometry and must not be read as this run's.
+    An existing file is read first, so a restart on a full disk succeeds when the file matches.
+    Creation writes a unique temporary file and hard-links it to the final name, so concurrent
+    first starts never see a partial file and never overwrite each other; the temporary file is
+    removed whatever happens, and ones left by crashed starts (``config.json_<n>.tmp``) older
+    than ``tmp_grace_s`` are swept (``None`` keeps them). An existing file whose fields differ
+    from ``ns.fields`` (or that is not valid JSON, is too large, or is a link or special file)
+    raises :class:`ConfigError`: its chunks were written by a different geometry and must not be
+    read as this run's. The config directory is reached without following links.
     """
-    os.makedirs(ns.config_dir, exist_ok=True)
-    path = ns.config_path
-    tmp = f"{path}_{secrets.randbits(63)}.tmp"
-    with open(tmp, "x", encoding="utf-8") as f:
-        f.write(ns.config_json())
+    cfg_fd = fs_beneath.open_dir(root_fd, ns.leaf, create=True)
     try:
-        os.link(tmp, path)
-        return True
-    except FileExistsError:
-        pass
+        stale = _sweep_config_tmp(cfg_fd, tmp_grace_s)
+        existing = _read_config_json(cfg_fd, ns)
+        if existing is None:
+            tmp = f"{_CONFIG_JSON}_{secrets.randbits(63)}.tmp"
+            try:
+                fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                             dir_fd=cfg_fd)
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write(ns.config_json())
+                try:
+                    os.link(tmp, _CONFIG_JSON, src_dir_fd=cfg_fd, dst_dir_fd=cfg_fd)
+                    return True, stale
+                except FileExistsError:
+                    pass
+            finally:
+                try:
+                    os.unlink(tmp, dir_fd=cfg_fd)
+                except FileNotFoundError:
+                    pass
+            existing = _read_config_json(cfg_fd, ns)
     finally:
-        os.unlink(tmp)
-    with open(path, "rb") as f:
+        os.close(cfg_fd)
+    path = ns.config_path
+    if existing != ns.fields:
+        differing = sorted(k for k in set(existing or {}) | set(ns.fields)
+                           if (existing or {}).get(k) != ns.fields.get(k))
+        raise ConfigError(
+            f"{path} describes a different run than this engine (fields differ: {', '.join(differing)}); "
+            "refusing to share its chunks"
+        )
+    return False, stale
+
+
+_CONFIG_JSON = "config.json"
+_CONFIG_TMP = re.compile(r"config\.json_[0-9]{1,20}\.tmp")
+
+
+def _read_config_json(cfg_fd: int, ns: Namespace) -> Any:
+    """The parsed ``config.json`` in ``cfg_fd``, or None when there is none."""
+    path = ns.config_path
+    try:
+        fd = fs_beneath.open_file(cfg_fd, _CONFIG_JSON, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    except fs_beneath.UnsafeEntry:
+        raise ConfigError(f"{path} is a symbolic link or special file; kvtier never follows links below "
+                          "root_dir — remove it or use another root_dir") from None
+    with os.fdopen(fd, "rb") as f:
         raw = f.read(_MAX_CONFIG_JSON_BYTES + 1)
     try:
         if len(raw) > _MAX_CONFIG_JSON_BYTES:
             raise ValueError("file too large")
         existing = json.loads(raw)
+        if not isinstance(existing, dict):
+            raise ValueError("not a JSON object")
     except ValueError as exc:
         raise ConfigError(f"{path} is not a valid kvtier/vLLM run config ({exc}); remove it or use another root_dir") from None
-    if existing != ns.fields:
-        differing = sorted(k for k in set(existing) | set(ns.fields) if existing.get(k) != ns.fields.get(k))
-        raise ConfigError(
-            f"{path} describes a different run than this engine (fields differ: {', '.join(differing)}); "
-            "refusing to share its chunks"
-        )
-    return False
+    return existing
+
+
+def _sweep_config_tmp(cfg_fd: int, tmp_grace_s: float | None) -> int:
+    if tmp_grace_s is None:
+        return 0
+    removed = 0
+    now = time.time()
+    with os.scandir(cfg_fd) as entries:
+        stale = [e.name for e in entries
+                 if _CONFIG_TMP.fullmatch(e.name) and e.is_file(follow_symlinks=False)
+                 and now - e.stat(follow_symlinks=False).st_mtime > tmp_grace_s]
+    for name in stale:
+        try:
+            os.unlink(name, dir_fd=cfg_fd)
+            removed += 1
+        except FileNotFoundError:
+            pass
+    return removed
 
 
 # ------------------------------------------------------------------------------------------------
@@ -131,7 +187,7 @@ def ensure_config_json(ns: Namespace) -> bool:
 class _Entry:
     size: int
     stored_at: float  # wall clock (mtime for scanned files): the age of an evicted chunk
-    seen_at: float  # monotonic: when this process learned of it (rescans don't drop newer ones)
+    seen_at: float  # monotonic: when this process last confirmed it (rescans don't drop newer ones)
 
 
 class DiskIndex:
@@ -157,6 +213,11 @@ class DiskIndex:
     def keys(self) -> list[bytes]:
         """Keys from least to most recently used."""
         return list(self._entries)
+
+    def size_of(self, key: bytes) -> int | None:
+        """The bytes recorded for ``key``, or None when it is not in the index."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.size
 
     def touch(self, key: bytes) -> None:
         if key in self._entries:
@@ -190,11 +251,17 @@ class DiskIndex:
         self._busy[key] = self._busy.get(key, 0) + 1
 
     def unpin(self, key: bytes) -> None:
+        """The read or write of ``key`` is over; if the key is (still) indexed that confirms it
+        now, so a rescan that started before this moment cannot drop it (its listing may predate
+        the file)."""
         left = self._busy[key] - 1
         if left:
             self._busy[key] = left
         else:
             del self._busy[key]
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry.seen_at = time.monotonic()
 
     def pin_all(self, keys: Iterable[bytes]) -> None:
         busy = self._busy
@@ -202,8 +269,17 @@ class DiskIndex:
             busy[key] = busy.get(key, 0) + 1
 
     def unpin_all(self, keys: Iterable[bytes]) -> None:
+        """:meth:`unpin` each key (one clock read for all)."""
+        busy, entries, now = self._busy, self._entries, time.monotonic()
         for key in keys:
-            self.unpin(key)
+            left = busy[key] - 1
+            if left:
+                busy[key] = left
+            else:
+                del busy[key]
+            entry = entries.get(key)
+            if entry is not None:
+                entry.seen_at = now
 
     def reserve(self, key: bytes, size: int) -> list[tuple[bytes, float]]:
         """Count ``size`` bytes for ``key`` now and pick victims so that ``used ≤ capacity``.
@@ -275,49 +351,81 @@ class DiskIndex:
 # ------------------------------------------------------------------------------------------------
 
 
-def _load_verified(ns: Namespace, o_direct: bool, key: bytes, dst: memoryview) -> Verdict:
-    """Read chunk ``key`` into ``dst`` and verify it; on rejection zero ``dst`` and remove the file."""
-    path = ns.chunk_path(key)
-    verdict = fs_io.load_chunk(path, dst, o_direct=o_direct)
+def _load_verified(dir_fd: int, fingerprint: bytes, o_direct: bool, accept_unverified: bool,
+                   key: bytes, dst: memoryview) -> Verdict:
+    """Read chunk ``key`` into ``dst`` and verify it is that chunk of this run, intact.
+
+    On rejection ``dst`` is zeroed and the file removed — except a trailer-less file refused as
+    ``unverified``, which is left alone (it may be another program's, such as vLLM's).
+    """
+    relpath = Namespace.chunk_relpath(key)
+    verdict = fs_io.load_chunk(dir_fd, relpath, dst, identity(key, fingerprint), o_direct=o_direct,
+                               accept_unverified=accept_unverified)
     if not verdict.ok:
         # Defence in depth: the manager frees the slot on failure, but never leave bytes that
         # failed verification where they could be mistaken for a chunk.
         dst[:] = bytes(len(dst))
-        try:
-            fs_io.remove_file(path)
-        except OSError as exc:
-            logger.warning("could not remove rejected chunk file %s: %s", path, exc)
+        if verdict.reason != "unverified":
+            try:
+                fs_io.remove_file(dir_fd, relpath)
+            except OSError as exc:
+                logger.warning("could not remove rejected chunk file %s: %s", relpath, exc)
     return verdict
 
 
-def _store(ns: Namespace, o_direct: bool, key: bytes, src: memoryview, victims: Sequence[bytes] = ()) -> int:
-    """Remove the eviction ``victims`` (keys), then publish ``src`` with its trailer as chunk ``key``.
+class _Repaired(int):
+    """Bytes written by :func:`_store` after it removed a link or special file in the way."""
 
-    Evicting in the same pool task, before the write, keeps the on-disk cap while the chunk is
-    written without a second hand-off. Returns the bytes written (0 when already present).
+
+def _store(dir_fd: int, fingerprint: bytes, o_direct: bool, key: bytes, src: memoryview) -> int:
+    """Publish ``src`` with its trailer as chunk ``key``; the bytes written (0 when present).
+
+    A symbolic link, special file or non-directory where the layout needs a directory or the
+    chunk file is removed (never followed) and the write tried once more; the count is then a
+    :class:`_Repaired` so the tier can count the removal.
     """
-    if victims:
-        _remove_all([ns.chunk_path(victim) for victim in victims])
-    return fs_io.write_chunk(ns.chunk_path(key), src, make_trailer_page(src), o_direct=o_direct)
+    relpath = Namespace.chunk_relpath(key)
+    page = make_trailer_page(src, identity(key, fingerprint))
+    try:
+        return fs_io.write_chunk(dir_fd, relpath, src, page, o_direct=o_direct)
+    except fs_beneath.UnsafeEntry:
+        fs_io.remove_file(dir_fd, relpath)
+        return _Repaired(fs_io.write_chunk(dir_fd, relpath, src, page, o_direct=o_direct))
 
 
-def _stat_sizes(paths: Sequence[str]) -> list[int | None]:
+def _stat_sizes(dir_fd: int, keys: Sequence[bytes]) -> list[int | None]:
+    """Size of each key's chunk file, None where there is no regular file reached without links."""
     sizes: list[int | None] = []
-    for path in paths:
+    for key in keys:
         try:
-            sizes.append(os.stat(path).st_size)
-        except FileNotFoundError:
-            sizes.append(None)
+            st = fs_beneath.lstat(dir_fd, Namespace.chunk_relpath(key))
+        except fs_beneath.UnsafeEntry:
+            st = None
+        sizes.append(st.st_size if st is not None and stat.S_ISREG(st.st_mode) else None)
     return sizes
 
 
-def _remove_all(paths: Sequence[str]) -> None:
-    for path in paths:
+def _remove_all(dir_fd: int, keys: Sequence[bytes]) -> None:
+    for key in keys:
+        relpath = Namespace.chunk_relpath(key)
         try:
-            fs_io.remove_file(path)
+            fs_io.remove_file(dir_fd, relpath)
         except OSError as exc:
             # The chunk is already out of the index; a later rescan re-adds it if it survived.
-            logger.warning("could not evict %s: %s", path, exc)
+            logger.warning("could not evict %s: %s", relpath, exc)
+
+
+def _open_tree(root_dir: str, ns: Namespace, tmp_grace_s: float | None) -> tuple[int, int]:
+    """Create and open this run's trees under ``root_dir``: ``(block tree descriptor, stale
+    config temporaries removed)``. ``root_dir`` itself may be a link (the operator's choice);
+    nothing below it is followed."""
+    os.makedirs(root_dir, exist_ok=True)
+    root_fd = os.open(root_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
+    try:
+        _, stale = ensure_config_json(root_fd, ns, tmp_grace_s=tmp_grace_s)
+        return fs_beneath.open_dir(root_fd, ns.blocks_leaf, create=True), stale
+    finally:
+        os.close(root_fd)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -330,8 +438,9 @@ class FileSystemTier(SecondaryTier):
 
     Options (``config.options``): ``root_dir``, ``n_read_threads`` / ``n_write_threads`` (pool
     workers, default 16 each), ``max_bytes`` (None = unlimited), ``eviction_policy`` (``"lru"``),
-    ``stale_tmp_grace_s`` (3600), ``rescan_interval_s`` (30). ``max_bytes`` bounds this rank's
-    block tree (all processes sharing it count; each evicts what it can see).
+    ``stale_tmp_grace_s`` (3600), ``rescan_interval_s`` (30), ``accept_unverified_chunks``
+    (False). ``max_bytes`` bounds this rank's block tree (all processes sharing it count; each
+    evicts what it can see).
     """
 
     tier_type: ClassVar[str] = "fs"
@@ -346,6 +455,7 @@ class FileSystemTier(SecondaryTier):
         self.eviction_policy: str = options.get("eviction_policy", "lru")
         self.stale_tmp_grace_s = float(options.get("stale_tmp_grace_s", 3600.0))
         self.rescan_interval_s = float(options.get("rescan_interval_s", 30.0))
+        self.accept_unverified_chunks = bool(options.get("accept_unverified_chunks", False))
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ConfigError(
                 f"secondary_tiers[{context.index}].eviction_policy={self.eviction_policy!r} is not "
@@ -364,24 +474,28 @@ class FileSystemTier(SecondaryTier):
         self.index = DiskIndex(self.max_bytes)
         self.o_direct = False
         self._file_bytes = stored_size(context.slot_bytes)
+        self._dir_fd = -1  # the run's block tree, open from open() to close()
         self._pool = DualQueuePool(self.n_read_threads, self.n_write_threads, name=f"kvtier-fs{context.index}")
+        self._deletions: list[anyio.Event] = []  # eviction deletions in flight, oldest first
         self._ready = anyio.Event()
         self._rescan_scope = anyio.CancelScope()
         self._rescan_done = anyio.Event()
         self._rejected = self.add_metric(
             "fs_rejected_chunks", "counter",
-            "Chunk files rejected on load and removed, by reason (short, long, bad_trailer, checksum).",
+            "Chunk files refused on load (and removed, except trailer-less ones), and links or special "
+            "files removed from the tree, by reason.",
             ("reason",),
         )
         for reason in REJECT_REASONS:
             self._rejected.values[(reason,)] = 0.0
         self._unverified = self.add_metric(
             "fs_unverified_loads", "counter",
-            "Chunks loaded from files without a trailer (written by vLLM): size-checked only.",
+            "Chunks loaded from files without a trailer (written by vLLM; accept_unverified_chunks): "
+            "size-checked only.",
         )
         self._stale_tmp = self.add_metric(
             "fs_stale_tmp_removed", "counter",
-            "Temporary files of crashed writers removed by start-up scans.",
+            "Temporary and probe files of crashed writers removed by start-up scans.",
         )
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -406,9 +520,11 @@ class FileSystemTier(SecondaryTier):
     async def open(self) -> None:
         self._pool.start()
         try:
-            await self._pool.run(IOQueue.WRITE, os.makedirs, self.namespace.blocks_dir, 0o755, True)
-            await self._pool.run(IOQueue.WRITE, ensure_config_json, self.namespace)
-            self.o_direct = await self._pool.run(IOQueue.WRITE, fs_io.probe_o_direct, self.namespace.blocks_dir)
+            self._dir_fd, stale = await self._pool.run(IOQueue.WRITE, _open_tree, self.root_dir, self.namespace,
+                                                       self.stale_tmp_grace_s)
+            if stale:
+                self._stale_tmp.inc(stale)
+            self.o_direct = await self._pool.run(IOQueue.WRITE, fs_io.probe_o_direct, self._dir_fd)
             if self.o_direct:
                 # O_DIRECT transfers wait on the device, not on a CPU: give a job to every worker
                 # (the pool's default, one slice per core, suits page-cache copies).
@@ -420,9 +536,10 @@ class FileSystemTier(SecondaryTier):
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await self._pool.aclose()
+            self._close_tree()
             if isinstance(exc, OSError):
-                # An unusable root (not a directory, read-only, no permission) is a configuration
-                # problem the operator must fix, reported before the engine starts serving.
+                # An unusable root (not a directory, read-only, no permission, a link inside it) is
+                # a configuration problem the operator must fix, reported before serving starts.
                 raise ConfigError(
                     f"secondary_tiers[{self.config.index}].root_dir: cannot use "
                     f"{self.namespace.root!r}: {exc.strerror or exc}"
@@ -437,10 +554,16 @@ class FileSystemTier(SecondaryTier):
         self._rescan_scope.cancel()
         await self._rescan_done.wait()  # never close the pool under a running rescan
         await self._pool.aclose()
+        self._close_tree()
+
+    def _close_tree(self) -> None:
+        fd, self._dir_fd = self._dir_fd, -1
+        if fd >= 0:
+            os.close(fd)
 
     # --- scanning -----------------------------------------------------------------------------
     def _scan(self, tmp_grace_s: float | None) -> ScanResult:
-        return fs_io.scan_tree(self.namespace.blocks_dir, tmp_grace_s=tmp_grace_s)
+        return fs_io.scan_tree(self._dir_fd, tmp_grace_s=tmp_grace_s)
 
     def _apply_scan(self, scan: ScanResult, started: float) -> list[tuple[bytes, float]]:
         dropped = self.index.reconcile(scan, started)
@@ -448,6 +571,10 @@ class FileSystemTier(SecondaryTier):
             self.emit_removed(dropped, "deleted")
         if scan.removed_tmp:
             self._stale_tmp.inc(scan.removed_tmp)
+        if scan.removed_unsafe:
+            self._rejected.inc(scan.removed_unsafe, "not_regular")
+            logger.warning("tier %s: removed %d links or special files from %s", self.label,
+                           scan.removed_unsafe, self.namespace.blocks_dir)
         victims = self.index.over_capacity_victims()
         self._report_evictions(victims)
         self._publish_usage()
@@ -459,7 +586,7 @@ class FileSystemTier(SecondaryTier):
         scan = await self._pool.run(IOQueue.READ, self._scan, None)
         victims = self._apply_scan(scan, started)
         if victims:
-            await self._pool.run(IOQueue.WRITE, _remove_all, [self.namespace.chunk_path(k) for k, _ in victims])
+            await self._delete_victims([k for k, _ in victims])
 
     async def _rescan_loop(self) -> None:
         """Every ``rescan_interval_s``: re-sync usage with the disk. I/O failures are logged."""
@@ -475,6 +602,28 @@ class FileSystemTier(SecondaryTier):
         finally:
             self._rescan_done.set()
 
+    # --- capacity -----------------------------------------------------------------------------
+    async def _delete_victims(self, keys: Sequence[bytes]) -> None:
+        """Delete evicted chunks' files; until done, their bytes still count as taken (see
+        :meth:`_deletions_before`)."""
+        done = anyio.Event()
+        self._deletions.append(done)
+        try:
+            await self._pool.run(IOQueue.WRITE, _remove_all, self._dir_fd, keys)
+        finally:
+            self._deletions.remove(done)
+            done.set()
+
+    async def _room_made(self, own_victims: Sequence[bytes], earlier: Sequence[anyio.Event]) -> None:
+        """Wait until the space a reservation counted as free is free on disk: this job's victims
+        are deleted, and so are those of every eviction started before it (whose freed bytes the
+        reservation may have counted too). Only then may the job write: ``max_bytes`` is a cap on
+        the disk, not only on the index."""
+        if own_victims:
+            await self._delete_victims(own_victims)
+        for deletion in earlier:
+            await deletion.wait()
+
     # --- bookkeeping helpers ------------------------------------------------------------------
     def _report_evictions(self, victims: Iterable[tuple[bytes, float]]) -> None:
         now = time.time()
@@ -488,21 +637,27 @@ class FileSystemTier(SecondaryTier):
     def _publish_usage(self) -> None:
         self.set_usage(self.index.used, self.max_bytes)
 
+    def _usable(self, size: int | None) -> bool:
+        """Whether a chunk file of ``size`` bytes can be loaded (trailered, or trailer-less when
+        unverified chunks are accepted)."""
+        return size == self._file_bytes or (self.accept_unverified_chunks and size == self.context.slot_bytes)
+
     # --- primitives ---------------------------------------------------------------------------
     def known(self, key: bytes) -> bool | None:
-        # Only positive knowledge: another process may have written what this one never saw.
-        return True if key in self.index else None
+        # Only positive knowledge, or a file known to be unusable: another process may have
+        # written what this one never saw.
+        size = self.index.size_of(key)
+        if size is None:
+            return None
+        return self._usable(size)
 
     async def contains(self, keys: Sequence[bytes]) -> Sequence[bool]:
-        paths = [self.namespace.chunk_path(key) for key in keys]
-        sizes = await self._pool.run(IOQueue.READ, _stat_sizes, paths)
-        slot = self.context.slot_bytes
+        sizes = await self._pool.run(IOQueue.READ, _stat_sizes, self._dir_fd, list(keys))
         found: list[bool] = []
         for key, size in zip(keys, sizes):
-            usable = size is not None and classify_size(size, slot) in (SizeClass.TRAILERED, SizeClass.RAW)
-            if usable and key not in self.index:
-                self.index.add(key, size)  # type: ignore[arg-type]
-            found.append(usable)
+            if size is not None and key not in self.index:
+                self.index.add(key, size)  # on disk either way: it counts toward max_bytes
+            found.append(self._usable(size))
         self._publish_usage()
         return found
 
@@ -524,39 +679,47 @@ class FileSystemTier(SecondaryTier):
 
         Space is reserved (and victims chosen) for each chunk before any I/O, in job order, which
         is also the recency order; a chunk whose reservation fails (``no_space``) is not written.
-        A failed chunk is dropped from the index again; cancellation waits for running writes.
+        No chunk is written before the victims that made room for it are deleted. A chunk
+        already on disk as a trailered file is not rewritten; anything else under its name is
+        replaced. A failed chunk is dropped from the index again; cancellation waits for running
+        writes.
         """
         outcomes: list[BaseException | None] = [None] * len(items)
-        calls: list[tuple[bytes, memoryview, list[bytes]]] = []
+        calls: list[tuple[bytes, memoryview]] = []
         started: list[tuple[int, bool]] = []  # (item index, newly reserved)
+        victims: list[tuple[bytes, float]] = []
+        earlier_deletions = list(self._deletions)
         for i, (key, src) in enumerate(items):
-            already_known = key in self.index
-            if already_known:
+            already_stored = self.index.size_of(key) == self._file_bytes
+            if already_stored:
                 self.index.touch(key)  # recency is taken when the store starts (job order)
-                victims: list[tuple[bytes, float]] = []
             else:
                 try:
-                    victims = self.index.reserve(key, self._file_bytes)
+                    victims.extend(self.index.reserve(key, self._file_bytes))
                 except TierIOError as exc:
                     outcomes[i] = exc
                     continue
             self.index.pin(key)
-            self._report_evictions(victims)
-            calls.append((key, src, [k for k, _ in victims]))
-            started.append((i, not already_known))
+            calls.append((key, src))
+            started.append((i, not already_stored))
+        self._report_evictions(victims)
         self._publish_usage()
         results: list[int | BaseException] | None = None
         try:
-            results = await self._pool.run_batch(IOQueue.WRITE, partial(_store, self.namespace, self.o_direct), calls)
+            await self._room_made([k for k, _ in victims], earlier_deletions)
+            results = await self._pool.run_batch(
+                IOQueue.WRITE, partial(_store, self._dir_fd, self.namespace.fingerprint, self.o_direct), calls)
         finally:
             for n, (i, reserved) in enumerate(started):
                 key = items[i][0]
-                self.index.unpin(key)
                 result = results[n] if results is not None else None
                 if isinstance(result, BaseException):
                     outcomes[i] = result
+                elif isinstance(result, _Repaired):
+                    self._rejected.inc(1, "not_regular")
                 if reserved and (results is None or outcomes[i] is not None):
                     self.index.remove(key)  # not on disk after all (or unknown, if cancelled)
+                self.index.unpin(key)
             self._publish_usage()
         return outcomes
 
@@ -573,8 +736,11 @@ class FileSystemTier(SecondaryTier):
         keys = [key for key, _ in items]
         self.index.pin_all(keys)
         try:
-            results = await self._pool.run_batch(IOQueue.READ, partial(_load_verified, self.namespace, self.o_direct),
-                                                 items)
+            results = await self._pool.run_batch(
+                IOQueue.READ,
+                partial(_load_verified, self._dir_fd, self.namespace.fingerprint, self.o_direct,
+                        self.accept_unverified_chunks),
+                items)
         finally:
             self.index.unpin_all(keys)
         outcomes: list[BaseException | None]
@@ -599,14 +765,18 @@ class FileSystemTier(SecondaryTier):
         if not result.ok:
             assert result.reason is not None
             self._rejected.inc(1, result.reason)
+            relpath = self.namespace.chunk_relpath(key)
+            if result.reason == "unverified":  # left in place: it may be another program's file
+                return TierIOError("unverified", f"chunk file {relpath} has no trailer; refused "
+                                   "(accept_unverified_chunks is off)")
             self.index.remove(key)
-            return ChunkCorrupt(f"chunk file {self.namespace.chunk_relpath(key)} rejected: {result.reason}")
-        self._unverified.inc()  # a trailer-less file of exactly one slot (written by vLLM)
+            return ChunkCorrupt(f"chunk file {relpath} rejected: {result.reason}")
+        self._unverified.inc()  # a trailer-less file of exactly one slot, accepted on request
         self.index.touch_or_add((key,), nbytes)
         return None
 
     async def delete(self, key: bytes) -> None:
-        await self._pool.run(IOQueue.WRITE, fs_io.remove_file, self.namespace.chunk_path(key))
+        await self._pool.run(IOQueue.WRITE, fs_io.remove_file, self._dir_fd, self.namespace.chunk_relpath(key))
         if self._forget(key):
             self.emit_removed([key], "deleted")
 

@@ -1,15 +1,21 @@
 """Blocking file primitives of the filesystem tier and the dual-queue thread pool that runs them.
 
 Everything here is synchronous except :class:`DualQueuePool`'s awaitable front door. The
-primitives never touch tier bookkeeping; they take paths and buffers and either return or raise
-``OSError`` (mapped to a tier error by the caller).
+primitives never touch tier bookkeeping; they take a directory descriptor (the run's block tree,
+held open by the tier), a path relative to it and buffers, and either return or raise ``OSError``
+(mapped to a tier error by the caller).
+
+Containment (:mod:`kvtier.tiers.fs_beneath`): every path is resolved beneath that descriptor
+without following a symbolic link at any level, and only regular files are read, so a link or a
+special file planted in the tree never redirects a read or a write and never blocks a worker;
+it surfaces as :class:`~kvtier.tiers.fs_beneath.UnsafeEntry` (reads: the ``not_regular`` verdict).
 
 Atomic publication (:func:`write_chunk`): bytes go to a unique temporary name *in the destination
-directory* (``<final>_<random 63-bit int>.tmp``, opened ``O_EXCL``) and are renamed over the final
-name, so a reader sees either no file or a complete one; a crash leaves at most a stray ``.tmp``
-file, which :func:`scan_tree` removes once it is older than a grace period. No ``fsync``: chunks are
-a cache, losing the last ones on power failure only costs a recompute, and the trailer check
-catches torn pages.
+directory* (``<name>_<random 63-bit int>.tmp``, opened ``O_EXCL``) and are renamed over the final
+name, so a reader sees either no file or a complete one; a failed write removes its temporary file,
+and a crash leaves at most a stray ``.tmp`` file, which :func:`scan_tree` removes once it is older
+than a grace period. No ``fsync``: chunks are a cache, losing the last ones on power failure only
+costs a recompute, and the trailer check catches torn pages.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,12 +39,14 @@ import anyio.from_thread
 import anyio.lowlevel
 
 from kvtier.layout import Namespace
+from kvtier.tiers import fs_beneath
+from kvtier.tiers.fs_beneath import UnsafeEntry
 from kvtier.tiers.integrity import (
-    ACCEPTED_UNVERIFIED,
     TRAILER_PAGE,
     SizeClass,
     Verdict,
     classify_size,
+    rejected,
     verify,
 )
 
@@ -55,6 +64,7 @@ __all__ = [
     "ScanResult",
     "ScannedChunk",
     "TMP_SUFFIX",
+    "PROBE_PREFIX",
     "usable_cpus",
 ]
 
@@ -63,7 +73,8 @@ T = TypeVar("T")
 TMP_SUFFIX = ".tmp"
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _O_NOATIME: int = getattr(os, "O_NOATIME", 0)
-_PROBE_NAME = ".kvtier_odirect_probe"
+#: Name prefix of the hidden O_DIRECT probe file (``<prefix>_<random int>`` in the block tree).
+PROBE_PREFIX = ".kvtier_odirect_probe"
 
 # ------------------------------------------------------------------------------------------------
 # Raw primitives
@@ -96,14 +107,15 @@ def _scratch_page() -> memoryview:
     return page
 
 
-def probe_o_direct(directory: str) -> bool:
-    """Whether ``directory``'s filesystem accepts an aligned ``O_DIRECT`` write (tmpfs, overlayfs
-    and some NFS mounts do not). Writes and deletes one hidden probe file."""
+def probe_o_direct(dir_fd: int) -> bool:
+    """Whether the filesystem of directory ``dir_fd`` accepts an aligned ``O_DIRECT`` write
+    (tmpfs, overlayfs and some NFS mounts do not). Writes and deletes one hidden probe file
+    (``PROBE_PREFIX_<n>``); one left by a crash is swept by :func:`scan_tree`."""
     if not _O_DIRECT:
         return False
-    path = os.path.join(directory, f"{_PROBE_NAME}_{secrets.randbits(63)}")
+    name = f"{PROBE_PREFIX}_{secrets.randbits(63)}"
     try:
-        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC | _O_DIRECT, 0o644)
+        fd = fs_beneath.open_file(dir_fd, name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_DIRECT)
     except OSError:
         return False
     try:
@@ -114,48 +126,77 @@ def probe_o_direct(directory: str) -> bool:
         return False
     finally:
         os.close(fd)
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
+        _unlink_quietly(name, dir_fd)
 
 
-def write_chunk(path: str, payload: memoryview, trailer_page: bytes, *, o_direct: bool) -> int:
-    """Publish ``payload`` + ``trailer_page`` at ``path`` atomically; return the bytes written.
+def write_chunk(dir_fd: int, relpath: str, payload: memoryview, trailer_page: bytes, *, o_direct: bool) -> int:
+    """Publish ``payload`` + ``trailer_page`` at ``relpath`` beneath ``dir_fd`` atomically; return
+    the bytes written.
 
-    Returns 0 without writing when ``path`` already exists (content-addressed: the bytes are the
-    same chunk). Creates missing parent directories. On any error no temporary file remains and
-    the ``OSError`` propagates; a short write raises ``OSError(EIO)``. With ``o_direct`` the
-    payload must be page aligned with a page-multiple length (host slots are).
+    Returns 0 without writing when a regular file of exactly that size is already there
+    (content-addressed: it is the same chunk, and a load verifies it); anything else at the name
+    (a file of another size, such as a trailer-less vLLM one, a link, a pipe) is replaced.
+    Creates missing parent directories. Raises :class:`UnsafeEntry` when a directory on the way is
+    a link or not a directory. On any error no temporary file remains and the ``OSError``
+    propagates; a write the disk cannot complete raises ``OSError(ENOSPC)`` (or the error the
+    kernel gave). With ``o_direct`` the payload must be page aligned with a page-multiple length
+    (host slots are).
     """
-    if os.path.exists(path):
-        return 0
-    tmp = f"{path}_{secrets.randbits(63)}{TMP_SUFFIX}"
-    flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | (_O_DIRECT if o_direct else 0)
-    try:
-        fd = os.open(tmp, flags, 0o644)
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(tmp, flags, 0o644)
+    head, _, name = relpath.rpartition("/")
     total = len(payload) + len(trailer_page)
+    parent = fs_beneath.open_dir(dir_fd, head, create=True)
     try:
         try:
-            page = _scratch_page()
-            page[TRAILER_PAGE - len(trailer_page) :] = trailer_page
-            written = os.pwritev(fd, [payload, page[TRAILER_PAGE - len(trailer_page) :]], 0)
-        finally:
-            os.close(fd)
-        if written != total:
-            raise OSError(errno.EIO, f"short write ({written} of {total} bytes)", tmp)
+            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            if stat.S_ISREG(st.st_mode) and st.st_size == total:
+                return 0
+            if stat.S_ISDIR(st.st_mode):
+                raise UnsafeEntry(relpath, "a directory where a chunk file belongs")
+        tmp = f"{name}_{secrets.randbits(63)}{TMP_SUFFIX}"
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+                     | (_O_DIRECT if o_direct else 0), 0o644, dir_fd=parent)
         try:
-            os.replace(tmp, path)
-        except FileExistsError:
-            # Some shared filesystems refuse to replace: another writer won with the same bytes.
-            _unlink_quietly(tmp)
-    except BaseException:
-        _unlink_quietly(tmp)
-        raise
-    return total
+            try:
+                page = _scratch_page()
+                tail = page[TRAILER_PAGE - len(trailer_page) :]
+                tail[:] = trailer_page
+                _write_fully(fd, payload, tail, o_direct)
+            finally:
+                os.close(fd)
+            try:
+                os.replace(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
+            except FileExistsError:
+                # Some shared filesystems refuse to replace: another writer won with the same bytes.
+                _unlink_quietly(tmp, parent)
+        except BaseException:
+            _unlink_quietly(tmp, parent)
+            raise
+        return total
+    finally:
+        os.close(parent)
+
+
+def _write_fully(fd: int, payload: memoryview, tail: memoryview, o_direct: bool) -> None:
+    """``pwritev`` both buffers at offset 0 until all bytes are written.
+
+    A short count means the device is (nearly) full, or a signal cut the call short: the rest is
+    written again, so a full disk reports its own error (``ENOSPC``/``EDQUOT``) rather than a
+    generic one. A write that makes no progress, or one ``O_DIRECT`` cannot resume (unaligned),
+    is ``ENOSPC``: a regular file only comes up short when space runs out.
+    """
+    total = len(payload) + len(tail)
+    done = os.pwritev(fd, [payload, tail], 0)
+    while done < total:
+        if done <= 0 or (o_direct and done % TRAILER_PAGE):
+            raise OSError(errno.ENOSPC, f"short write ({done} of {total} bytes): no space left on device")
+        rest = [payload[done:], tail] if done < len(payload) else [tail[done - len(payload) :]]
+        n = os.pwritev(fd, rest, done)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, f"short write ({done} of {total} bytes): no space left on device")
+        done += n
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,19 +209,22 @@ class ReadOutcome:
     trailer_page: bytes | None = None
 
 
-def _open_for_read(path: str, o_direct: bool) -> int:
-    """Open a chunk file for reading: ``O_NOATIME`` where allowed, ``O_DIRECT`` if asked.
+def _open_for_read(dir_fd: int, relpath: str, o_direct: bool) -> int:
+    """Open chunk file ``relpath`` for reading: ``O_NOATIME`` where allowed, ``O_DIRECT`` if asked.
 
     ``O_NOATIME``: under ``relatime`` the first read of a freshly written file updates its
     atime, a metadata write per chunk that cost 6–12% of a page-cache load in our measurements;
     kvtier's recency never uses atime. The kernel refuses it (``EPERM``) on files the process
     does not own (a ``root_dir`` shared between users): those open without it. ``O_DIRECT`` is
     dropped (``EINVAL``) for a file on a filesystem without it (a mount below ``root_dir``).
+    Raises :class:`UnsafeEntry` for anything but a regular file reached without links.
     """
     flags = os.O_RDONLY | _O_NOATIME | (_O_DIRECT if o_direct else 0)
     while True:
         try:
-            return os.open(path, flags)
+            return fs_beneath.open_file(dir_fd, relpath, flags)
+        except UnsafeEntry:
+            raise
         except OSError as exc:
             if exc.errno == errno.EPERM and flags & _O_NOATIME:
                 flags &= ~_O_NOATIME
@@ -190,16 +234,17 @@ def _open_for_read(path: str, o_direct: bool) -> int:
                 raise
 
 
-def read_chunk(path: str, dst: memoryview, *, o_direct: bool) -> ReadOutcome:
-    """Read the chunk at ``path`` into ``dst`` (exactly one slot) and return its trailer page.
+def read_chunk(dir_fd: int, relpath: str, dst: memoryview, *, o_direct: bool) -> ReadOutcome:
+    """Read the chunk at ``relpath`` into ``dst`` (exactly one slot) and return its trailer page.
 
     The file's size is checked first: a ``SHORT``/``LONG`` file is reported without reading any
     of it. A file that shrinks while being read is reported ``SHORT``. The caller verifies the
     payload in ``dst`` against the trailer and must not trust ``dst`` before that.
-    Raises ``OSError`` (``FileNotFoundError`` for a missing file). The tier's loads use the
-    faster :func:`load_chunk` instead; this is the inspection primitive (tools, tests).
+    Raises ``OSError`` (``FileNotFoundError`` for a missing file, :class:`UnsafeEntry` for a link
+    or special file). The tier's loads use the faster :func:`load_chunk` instead; this is the
+    inspection primitive (tools, tests).
     """
-    fd = _open_for_read(path, o_direct)
+    fd = _open_for_read(dir_fd, relpath, o_direct)
     try:
         size = os.fstat(fd).st_size
         size_class = classify_size(size, len(dst))
@@ -219,22 +264,29 @@ def read_chunk(path: str, dst: memoryview, *, o_direct: bool) -> ReadOutcome:
         os.close(fd)
 
 
-def load_chunk(path: str, dst: memoryview, *, o_direct: bool) -> Verdict:
-    """Read the chunk at ``path`` into ``dst`` (exactly one slot) and verify it: the tier's
+def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes, *, o_direct: bool,
+               accept_unverified: bool = False) -> Verdict:
+    """Read the chunk at ``relpath`` into ``dst`` (exactly one slot) and verify that it is chunk
+    ``chunk_identity`` (:func:`kvtier.tiers.integrity.identity`) with intact bytes: the tier's
     load hot path, :func:`read_chunk` plus :func:`kvtier.tiers.integrity.verify` in fewer steps.
 
-    Returns the verdict, ``short``/``long`` rejections included. Unlike :func:`read_chunk`,
-    ``dst`` may have been overwritten by a rejected file's bytes: it is trusted only when
-    ``verdict.ok`` (the tier zeroes it otherwise). Rejected files are left in place (the caller
-    decides). Raises ``OSError`` (``FileNotFoundError`` for a missing file).
+    Returns the verdict, rejections included: ``not_regular`` for a link or special file (never
+    read, never waited on), ``short``/``long`` by what could be read, ``unverified`` for a
+    trailer-less file unless ``accept_unverified``, and the trailer's own reasons. ``dst`` may
+    hold a rejected file's bytes: it is trusted only when ``verdict.ok`` (the tier zeroes it
+    otherwise). Rejected files are left in place (the caller decides). Raises ``OSError``
+    (``FileNotFoundError`` for a missing file).
 
     Why it differs from :func:`read_chunk` (each step is measurable at page-cache speeds, where
-    a 256 KiB chunk takes ~25 µs): no ``fstat`` — ONE ``preadv`` into ``dst`` then two scratch
-    pages (the trailer page, a spare one) tells the size class, since reading stops at end of file and a file longer
-    than a chunk spills into the spare page; and the trailer is checked in place, in this
-    thread's scratch page, before anything on this thread can reuse it (no copy).
+    a 256 KiB chunk takes ~25 µs): ONE ``preadv`` into ``dst`` then two scratch pages (the
+    trailer page, a spare one) tells the size class, since reading stops at end of file and a
+    file longer than a chunk spills into the spare page; and the trailer is checked in place, in
+    this thread's scratch page, before anything on this thread can reuse it (no copy).
     """
-    fd = _open_for_read(path, o_direct)
+    try:
+        fd = _open_for_read(dir_fd, relpath, o_direct)
+    except UnsafeEntry:
+        return rejected("not_regular")
     try:
         # Both buffers are page aligned with page-multiple lengths, so O_DIRECT accepts them
         # (it may still return a count that is not a page multiple at end of file).
@@ -243,29 +295,23 @@ def load_chunk(path: str, dst: memoryview, *, o_direct: bool) -> Verdict:
         os.close(fd)
     slot_bytes = len(dst)
     if n == slot_bytes + TRAILER_PAGE:
-        return verify(dst, _scratch.page)
-    if n == slot_bytes:
-        return ACCEPTED_UNVERIFIED  # a trailer-less file (written by vLLM) of exactly one slot
+        return verify(dst, _scratch.page, chunk_identity)
+    if n == slot_bytes:  # a trailer-less file (written by vLLM) of exactly one slot
+        return verify(dst, None, chunk_identity, accept_unverified=accept_unverified)
     # A file that shrank (or grew) while being read classifies by what was read, like read_chunk.
-    return _REJECT_SHORT if n < slot_bytes + TRAILER_PAGE else _REJECT_LONG
+    return rejected("short" if n < slot_bytes + TRAILER_PAGE else "long")
 
 
-_REJECT_SHORT = Verdict.reject("short")
-_REJECT_LONG = Verdict.reject("long")
+def remove_file(dir_fd: int, relpath: str) -> bool:
+    """Delete what is at ``relpath`` beneath ``dir_fd`` without following links (see
+    :func:`~kvtier.tiers.fs_beneath.remove_entry`); ``False`` if it was already gone (not an
+    error: others share the tree)."""
+    return fs_beneath.remove_entry(dir_fd, relpath)
 
 
-def remove_file(path: str) -> bool:
-    """Delete ``path``; ``False`` if it was already gone (not an error: others share the tree)."""
+def _unlink_quietly(name: str, dir_fd: int) -> None:
     try:
-        os.unlink(path)
-    except FileNotFoundError:
-        return False
-    return True
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
+        os.unlink(name, dir_fd=dir_fd)
     except OSError:
         pass
 
@@ -277,6 +323,8 @@ def _unlink_quietly(path: str) -> None:
 _DIR1 = re.compile(r"[0-9a-f]{3}")
 _DIR2 = re.compile(r"[0-9a-f]{2}_g[0-9]{1,10}")
 _TMP = re.compile(r"[0-9a-f]{6,}\.bin_[0-9]{1,20}\.tmp")
+_PROBE = re.compile(re.escape(PROBE_PREFIX) + r"_[0-9]{1,20}")
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,55 +336,108 @@ class ScannedChunk:
 
 @dataclass(slots=True)
 class ScanResult:
-    """Chunks found under a block tree (sorted oldest first) and what happened to temp files."""
+    """Chunks found under a block tree (sorted oldest first) and what the scan cleaned up.
+
+    ``removed_tmp``: stale temporary and probe files removed; ``kept_tmp``: younger ones kept;
+    ``removed_unsafe``: links and special files found where the layout puts chunks or shard
+    directories, removed.
+    """
 
     chunks: list[ScannedChunk] = field(default_factory=list)
     removed_tmp: int = 0
     kept_tmp: int = 0
+    removed_unsafe: int = 0
 
 
-def scan_tree(blocks_dir: str, *, tmp_grace_s: float | None, now: float | None = None) -> ScanResult:
-    """Walk ``<blocks_dir>/<hhh>/<hh>_g<group>/<hash>.bin`` and list the chunks found.
+def scan_tree(dir_fd: int, *, tmp_grace_s: float | None, now: float | None = None) -> ScanResult:
+    """Walk ``<hhh>/<hh>_g<group>/<hash>.bin`` beneath block-tree descriptor ``dir_fd`` and list
+    the regular chunk files found.
 
-    Only names of exactly the layout's shape count; anything else is ignored (never deleted).
-    Temporary files older than ``tmp_grace_s`` seconds (by mtime) are removed — a writer that is
-    still alive renames its file long before that — ``None`` keeps them all. Symbolic links are
-    not followed, so a scan never leaves the tree. A missing ``blocks_dir`` is an empty tree; files
+    Only names of exactly the layout's shape count; other names are ignored (never deleted).
+    Temporary files of writes (``<hash>.bin_<n>.tmp``) and O_DIRECT probe files older than
+    ``tmp_grace_s`` seconds (by mtime) are removed — a live writer renames or deletes its file
+    long before that — ``None`` keeps them all. Symbolic links and special files bearing a
+    layout name (shard directory or chunk) are removed, never followed: the walk opens every
+    directory ``O_NOFOLLOW`` beneath its parent's descriptor, so it never leaves the tree. Entries
     vanishing mid-scan (other processes) are skipped.
     """
     now = time.time() if now is None else now
     result = ScanResult()
-    for d1 in _scandir(blocks_dir):
-        if not _DIR1.fullmatch(d1.name) or not d1.is_dir(follow_symlinks=False):
+    for top in _scandir_fd(dir_fd):
+        if _PROBE.fullmatch(top.name):
+            _remove_if_stale(top, dir_fd, tmp_grace_s, now, result)
             continue
-        for d2 in _scandir(d1.path):
-            if not _DIR2.fullmatch(d2.name) or not d2.is_dir(follow_symlinks=False):
-                continue
-            for entry in _scandir(d2.path):
-                if not entry.is_file(follow_symlinks=False):
+        if not _DIR1.fullmatch(top.name):
+            continue
+        d1_fd = _open_shard_dir(dir_fd, top, result)
+        if d1_fd is None:
+            continue
+        try:
+            for d2 in _scandir_fd(d1_fd):
+                if not _DIR2.fullmatch(d2.name):
                     continue
-                key = Namespace.key_from_relpath(f"{d1.name}/{d2.name}/{entry.name}")
-                is_tmp = key is None and _TMP.fullmatch(entry.name) is not None
-                if key is None and not is_tmp:
+                d2_fd = _open_shard_dir(d1_fd, d2, result)
+                if d2_fd is None:
                     continue
                 try:
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if key is not None:
-                    result.chunks.append(ScannedChunk(key, st.st_size, st.st_mtime))
-                elif tmp_grace_s is not None and now - st.st_mtime > tmp_grace_s:
-                    _unlink_quietly(entry.path)
-                    result.removed_tmp += 1
-                else:
-                    result.kept_tmp += 1
+                    _scan_leaf(d2_fd, f"{top.name}/{d2.name}", tmp_grace_s, now, result)
+                finally:
+                    os.close(d2_fd)
+        finally:
+            os.close(d1_fd)
     result.chunks.sort(key=lambda c: c.mtime)
     return result
 
 
-def _scandir(path: str) -> list[os.DirEntry[str]]:
+def _scan_leaf(d2_fd: int, prefix: str, tmp_grace_s: float | None, now: float, result: ScanResult) -> None:
+    for entry in _scandir_fd(d2_fd):
+        key = Namespace.key_from_relpath(f"{prefix}/{entry.name}")
+        if key is None:
+            if _TMP.fullmatch(entry.name):
+                _remove_if_stale(entry, d2_fd, tmp_grace_s, now, result)
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            result.chunks.append(ScannedChunk(key, st.st_size, st.st_mtime))
+        elif not stat.S_ISDIR(st.st_mode):  # a link, pipe, socket or device under a chunk's name
+            _unlink_quietly(entry.name, d2_fd)
+            result.removed_unsafe += 1
+
+
+def _open_shard_dir(parent_fd: int, entry: os.DirEntry[str], result: ScanResult) -> int | None:
+    """Open shard directory ``entry`` without following links; a link (or other non-directory)
+    bearing a shard name is removed and counted."""
     try:
-        with os.scandir(path) as it:
+        return os.open(entry.name, _DIR_FLAGS, dir_fd=parent_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            _unlink_quietly(entry.name, parent_fd)
+            result.removed_unsafe += 1
+            return None
+        raise
+
+
+def _remove_if_stale(entry: os.DirEntry[str], dir_fd: int, tmp_grace_s: float | None, now: float,
+                     result: ScanResult) -> None:
+    try:
+        st = entry.stat(follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if tmp_grace_s is not None and now - st.st_mtime > tmp_grace_s and not stat.S_ISDIR(st.st_mode):
+        _unlink_quietly(entry.name, dir_fd)
+        result.removed_tmp += 1
+    else:
+        result.kept_tmp += 1
+
+
+def _scandir_fd(dir_fd: int) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(dir_fd) as it:
             return list(it)
     except (FileNotFoundError, NotADirectoryError):
         return []

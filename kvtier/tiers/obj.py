@@ -16,10 +16,13 @@ and break ``aws s3 ls``-style tooling. :func:`object_key` keeps the quirk behind
 ``vllm_compatible=True`` (a future option; not yet a config key) for sharing a bucket with vLLM.
 
 Bytes. An object is the slot's bytes followed by the trailer page of
-:mod:`kvtier.tiers.integrity` (same format as the fs tier). A load verifies the trailer before
-reporting success; an object of exactly ``slot_bytes`` (vLLM, no trailer) is accepted unverified;
-any other size or a bad trailer/checksum is a miss: the object is deleted, the rejection counted
-(``kvtier_tier_obj_rejected_chunks_total{tier, reason}``) and a removal event published.
+:mod:`kvtier.tiers.integrity` (same format as the fs tier), which names the chunk's key and run.
+A load verifies the trailer before reporting success: any other size, a bad trailer or checksum,
+or an object that is another chunk's (copied or renamed over this key) is a miss: the object is
+deleted, the rejection counted (``kvtier_tier_obj_rejected_chunks_total{tier, reason}``), the
+slot zeroed and a removal event published. An object of exactly ``slot_bytes`` (vLLM writes them,
+without a trailer) cannot prove anything: it is treated as absent unless the tier's
+``accept_unverified_chunks`` option is on, and never deleted.
 
 Requests. One aiobotocore client per tier (``max_pool_connections`` = 3 × ``io_threads``: loads,
 stores and lookups each get ``io_threads`` concurrent requests). botocore's own retries are off
@@ -82,7 +85,15 @@ import anyio
 from kvtier.errors import ConfigError
 from kvtier.layout import Namespace, namespace
 from kvtier.tiers.base import ChunkCorrupt, ChunkNotFound, SecondaryTier, TierContext, TierIOError
-from kvtier.tiers.integrity import REJECT_REASONS, TRAILER_PAGE, SizeClass, classify_size, make_trailer_page, verify
+from kvtier.tiers.integrity import (
+    REJECT_REASONS,
+    TRAILER_PAGE,
+    SizeClass,
+    classify_size,
+    identity,
+    make_trailer_page,
+    verify,
+)
 from kvtier.types import Medium
 
 if TYPE_CHECKING:
@@ -230,7 +241,8 @@ class ObjectStoreTier(SecondaryTier):
 
     Options (``config.options``): ``store_config`` {``bucket``, ``endpoint_override``, ``scheme``,
     ``access_key``, ``secret_key``, ``session_token``, ``region``, ``ca_bundle``}, ``prefix``,
-    ``io_threads`` (4), ``request_timeout_s`` (10), ``lookup_timeout_s`` (5).
+    ``io_threads`` (4), ``request_timeout_s`` (10), ``lookup_timeout_s`` (5), ``accept_unverified_chunks``
+    (False).
     """
 
     tier_type: ClassVar[str] = "obj"
@@ -264,6 +276,7 @@ class ObjectStoreTier(SecondaryTier):
         self.prefix: str = str(options.get("prefix") or "").strip("/")
         self.io_threads = int(options.get("io_threads", 4))
         self.request_timeout_s = float(options.get("request_timeout_s", 10.0))
+        self.accept_unverified_chunks = bool(options.get("accept_unverified_chunks", False))
         tunables.setdefault("max_concurrent_loads", self.io_threads)
         tunables.setdefault("max_concurrent_stores", self.io_threads)
         tunables.setdefault("lookup_timeout_s", float(options.get("lookup_timeout_s", 5.0)))
@@ -275,14 +288,15 @@ class ObjectStoreTier(SecondaryTier):
         self._head_limiter = anyio.CapacityLimiter(self.io_threads)
         self._rejected = self.add_metric(
             "obj_rejected_chunks", "counter",
-            "Objects rejected on load and deleted, by reason (short, long, bad_trailer, checksum).",
+            "Objects refused on load (and deleted, except trailer-less ones), by reason.",
             ("reason",),
         )
         for reason in REJECT_REASONS:
             self._rejected.values[(reason,)] = 0.0
         self._unverified = self.add_metric(
             "obj_unverified_loads", "counter",
-            "Chunks loaded from objects without a trailer (written by vLLM): size-checked only.",
+            "Chunks loaded from objects without a trailer (written by vLLM; accept_unverified_chunks): "
+            "size-checked only.",
         )
         self._retries = self.add_metric(
             "obj_request_retries", "counter",
@@ -296,6 +310,10 @@ class ObjectStoreTier(SecondaryTier):
     def object_key(self, key: bytes) -> str:
         """The object key of chunk ``key`` in this tier's bucket."""
         return object_key(self.namespace, key)
+
+    def _identity(self, key: bytes) -> bytes:
+        """What the trailer of chunk ``key``'s object must name (its key and this run)."""
+        return identity(key, self.namespace.fingerprint)
 
     # --- lifecycle ----------------------------------------------------------------------------
     async def open(self) -> None:
@@ -370,7 +388,8 @@ class ObjectStoreTier(SecondaryTier):
     async def contains(self, keys: Sequence[bytes]) -> Sequence[bool]:
         """HEAD every key concurrently (at most ``io_threads`` at once).
 
-        A key is present when its object exists with a plausible size (trailered or raw). Any
+        A key is present when its object exists with a loadable size (trailered, or raw with
+        ``accept_unverified_chunks``). Any
         other failure of a HEAD makes the whole batch fail with that error (the base then answers
         MISS for all keys and counts it), so an outage never turns into a stale HIT.
         """
@@ -385,7 +404,8 @@ class ObjectStoreTier(SecondaryTier):
                         lambda: self._client.head_object(Bucket=self.bucket, Key=self.object_key(key)),
                         timeout=deadline_s, what="lookup")
                 size = classify_size(int(response.get("ContentLength", -1)), self.context.slot_bytes)
-                present[i] = size in (SizeClass.TRAILERED, SizeClass.RAW)
+                present[i] = size is SizeClass.TRAILERED or (
+                    size is SizeClass.RAW and self.accept_unverified_chunks)
             except ChunkNotFound:
                 present[i] = False
             except Exception as exc:  # kept so one failure does not become an ExceptionGroup
@@ -403,7 +423,7 @@ class ObjectStoreTier(SecondaryTier):
         """PUT the slot bytes plus the trailer page under :meth:`object_key` (S3 PUTs are atomic)."""
         # One join into a bytearray, never bytes: botocore would wrap bytes in a BytesIO, which
         # costs three more copies and an Expect: 100-continue round trip (see the module docstring).
-        body = bytearray().join((src, make_trailer_page(src)))
+        body = bytearray().join((src, make_trailer_page(src, self._identity(key))))
         name = self.object_key(key)
         await self._request(lambda: self._client.put_object(Bucket=self.bucket, Key=name, Body=body),
                             timeout=self.request_timeout_s, what="store")
@@ -419,8 +439,10 @@ class ObjectStoreTier(SecondaryTier):
             body = response["Body"]
             try:
                 size = classify_size(int(response.get("ContentLength", -1)), slot_bytes)
-                if size not in (SizeClass.TRAILERED, SizeClass.RAW):
+                if size in (SizeClass.SHORT, SizeClass.LONG):
                     return size
+                if size is SizeClass.RAW and not self.accept_unverified_chunks:
+                    return size  # refused below without downloading it
                 await _read_exactly(body, dst)
                 if size is SizeClass.TRAILERED:
                     await _read_exactly(body, memoryview(trailer))
@@ -429,13 +451,19 @@ class ObjectStoreTier(SecondaryTier):
                 body.close()
 
         size = await self._request(get, timeout=self.request_timeout_s, what="load")
-        if size is SizeClass.RAW:
-            self._unverified.inc()
-            return
-        reason = size.value if size in (SizeClass.SHORT, SizeClass.LONG) else verify(dst, trailer).reason
+        if size in (SizeClass.SHORT, SizeClass.LONG):
+            reason: str | None = size.value
+        else:
+            reason = verify(dst, trailer if size is SizeClass.TRAILERED else None, self._identity(key),
+                            accept_unverified=self.accept_unverified_chunks).reason
         if reason is None:
+            if size is SizeClass.RAW:
+                self._unverified.inc()
             return
         self._rejected.inc(1.0, reason)
+        dst[:] = bytes(len(dst))  # never leave bytes that failed verification in a host slot
+        if reason == "unverified":  # not ours to delete: vLLM may be using it
+            raise ChunkNotFound(f"object {name} has no trailer; refused (accept_unverified_chunks is off)")
         logger.warning("tier %s: object %s rejected (%s); deleting it", self.label, name, reason)
         try:
             await self.delete(key)

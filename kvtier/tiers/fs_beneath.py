@@ -1,0 +1,271 @@
+"""Opening files beneath a directory without ever leaving it.
+
+The filesystem tier's tree is shared storage: other processes and users write into it, and a
+hostile one may plant a symbolic link, a named pipe or a device where a chunk file or a shard
+directory should be. Every path the tier opens is therefore resolved *relative to a directory file
+descriptor it holds* (its run's block tree), and:
+
+* no symbolic link is followed, at any level — the file itself or any directory on the way;
+* nothing outside the directory is reached (no ``..``, no absolute path, no link);
+* only regular files are opened as chunks, and opening never blocks (``O_NONBLOCK``: a named pipe
+  opens at once instead of waiting for a writer, and is then refused as not regular).
+
+A violation raises :class:`UnsafeEntry` (an ``OSError``) naming the offending path; the caller
+decides what to do with it (the tier removes it with :func:`remove_entry` and counts it).
+
+Where the kernel has ``openat2(2)`` (Linux ≥ 5.6) a path is resolved in one system call with
+``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``; elsewhere (older kernels, seccomp filters that refuse
+it, other platforms) each component is opened in turn with ``O_NOFOLLOW``, same guarantees, a
+few more system calls. Paths use ``/`` and never contain ``.`` or ``..`` segments.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import stat
+import sys
+import threading
+from typing import Any
+
+__all__ = [
+    "UnsafeEntry",
+    "open_file",
+    "open_dir",
+    "lstat",
+    "remove_entry",
+    "has_openat2",
+]
+
+_O_CLOEXEC: int = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW: int = getattr(os, "O_NOFOLLOW", 0)
+_O_DIRECTORY: int = getattr(os, "O_DIRECTORY", 0)
+_O_NONBLOCK: int = getattr(os, "O_NONBLOCK", 0)
+_O_PATH: int = getattr(os, "O_PATH", 0)
+_DIR_FLAGS = os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC
+
+# Errors that mean "a component is not what the layout says" rather than a storage failure:
+# a symbolic link (ELOOP), a non-directory on the way (ENOTDIR), an escape (EXDEV from
+# RESOLVE_BENEATH), a socket (ENXIO), a directory where a file belongs (EISDIR).
+_UNSAFE_ERRNOS = frozenset({errno.ELOOP, errno.ENOTDIR, errno.EXDEV, errno.ENXIO, errno.EISDIR})
+
+
+class UnsafeEntry(OSError):
+    """A symbolic link, special file or wrong kind of entry where the layout expects a chunk file
+    or a directory. ``relpath`` is the path (relative to the base directory) that was asked for."""
+
+    def __init__(self, relpath: str, what: str) -> None:
+        super().__init__(errno.ELOOP, f"{what}: {relpath}")
+        self.relpath = relpath
+
+
+# --- openat2 ----------------------------------------------------------------------------------
+_SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437, "arm64": 437, "riscv64": 437, "ppc64le": 437, "s390x": 437}
+_RESOLVE_NO_MAGICLINKS = 0x02
+_RESOLVE_NO_SYMLINKS = 0x04
+_RESOLVE_BENEATH = 0x08
+_RESOLVE = _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
+
+
+class _OpenHow(ctypes.Structure):
+    _fields_ = (("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64))
+
+
+_Openat2 = tuple[Any, int]  # (libc.syscall, the syscall number)
+_openat2_state: dict[str, _Openat2 | None] = {}
+_openat2_lock = threading.Lock()
+_hows: dict[tuple[int, int], Any] = {}  # (flags, mode) -> ctypes.byref(_OpenHow), built once
+
+
+def _openat2_fn() -> _Openat2 | None:
+    """``libc.syscall`` bound for openat2, or None where it is not available (probed once)."""
+    state = _openat2_state
+    if "fn" in state:
+        return state["fn"]
+    with _openat2_lock:
+        if "fn" in state:
+            return state["fn"]
+        fn: _Openat2 | None = None
+        nr = _SYS_OPENAT2.get(os.uname().machine) if sys.platform == "linux" else None
+        if nr is not None and os.environ.get("KVTIER_NO_OPENAT2") != "1":
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                syscall = libc.syscall
+                syscall.restype = ctypes.c_long
+                probe_fd = os.open(".", _DIR_FLAGS & ~_O_NOFOLLOW)
+                try:
+                    how = _OpenHow(_DIR_FLAGS, 0, _RESOLVE)
+                    fd = syscall(nr, probe_fd, b".", ctypes.byref(how), ctypes.sizeof(how))
+                    if fd >= 0:
+                        os.close(fd)
+                        fn = (syscall, nr)
+                finally:
+                    os.close(probe_fd)
+            except (OSError, AttributeError):
+                fn = None
+        state["fn"] = fn
+        return fn
+
+
+def has_openat2() -> bool:
+    """Whether paths are resolved with one ``openat2`` call (else component by component)."""
+    return _openat2_fn() is not None
+
+
+def _openat2(fn: _Openat2, dir_fd: int, relpath: str, flags: int, mode: int) -> int:
+    syscall, nr = fn
+    if not flags & os.O_CREAT:
+        mode = 0  # openat2 refuses a mode without O_CREAT
+    how = _hows.get((flags, mode))
+    if how is None:
+        how = _hows[(flags, mode)] = ctypes.byref(_OpenHow(flags, mode, _RESOLVE))
+    fd = syscall(nr, dir_fd, os.fsencode(relpath), how, 24)
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), relpath)
+    return int(fd)
+
+
+# --- resolution -------------------------------------------------------------------------------
+def _components(relpath: str) -> list[str]:
+    """``relpath``'s names; an absolute path or a ``.``/``..``/empty segment is an escape."""
+    parts = relpath.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        raise UnsafeEntry(relpath, "path leaves its directory")
+    return parts
+
+
+def _walk_open(dir_fd: int, relpath: str, flags: int, mode: int) -> int:
+    """Component-by-component ``O_NOFOLLOW`` resolution (the fallback for openat2)."""
+    parts = _components(relpath)
+    fd = dir_fd
+    try:
+        for part in parts[:-1]:
+            next_fd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            if fd != dir_fd:
+                os.close(fd)
+            fd = next_fd
+        return os.open(parts[-1], flags, mode, dir_fd=fd)
+    finally:
+        if fd != dir_fd:
+            os.close(fd)
+
+
+def _open_beneath(dir_fd: int, relpath: str, flags: int, mode: int = 0o644) -> int:
+    flags |= _O_NOFOLLOW | _O_CLOEXEC
+    fn = _openat2_fn()
+    try:
+        if fn is not None:
+            return _openat2(fn, dir_fd, relpath, flags, mode)
+        return _walk_open(dir_fd, relpath, flags, mode)
+    except OSError as exc:
+        if exc.errno in _UNSAFE_ERRNOS:
+            raise UnsafeEntry(relpath, "symbolic link, special file or misplaced entry") from None
+        raise
+
+
+def open_file(dir_fd: int, relpath: str, flags: int, mode: int = 0o644) -> int:
+    """Open the regular file ``relpath`` beneath ``dir_fd``; return its descriptor.
+
+    ``flags`` are ``os.open`` flags (``O_NOFOLLOW``, ``O_CLOEXEC`` and ``O_NONBLOCK`` are added).
+    Raises :class:`UnsafeEntry` for a symbolic link at any level, a non-directory on the way or
+    anything but a regular file at the end (checked with ``fstat`` after opening, which never
+    blocks); ``FileNotFoundError`` and other ``OSError`` as ``open`` does.
+    """
+    fd = _open_beneath(dir_fd, relpath, flags | _O_NONBLOCK, mode)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise UnsafeEntry(relpath, "not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd  # O_NONBLOCK changes nothing for a regular file's reads and writes
+
+
+def open_dir(dir_fd: int, relpath: str, *, create: bool = False) -> int:
+    """Open directory ``relpath`` beneath ``dir_fd`` (``""`` opens ``dir_fd`` itself again).
+
+    With ``create``, missing directories on the way are made (mode 0o755; a concurrent creator
+    is not an error). Raises :class:`UnsafeEntry` when a component is a symbolic link or not a
+    directory (``relpath`` of the exception is then the whole path asked for).
+    """
+    if not relpath:
+        return os.open(".", _DIR_FLAGS, dir_fd=dir_fd)
+    while True:
+        try:
+            return _open_beneath(dir_fd, relpath, _DIR_FLAGS)
+        except FileNotFoundError:
+            if not create:
+                raise
+        # Make the missing components one at a time, each beneath an already safe parent.
+        parent_fd = os.open(".", _DIR_FLAGS, dir_fd=dir_fd)
+        try:
+            for part in _components(relpath):
+                try:
+                    os.mkdir(part, 0o755, dir_fd=parent_fd)
+                except FileExistsError:
+                    pass
+                try:
+                    next_fd = os.open(part, _DIR_FLAGS, dir_fd=parent_fd)
+                except OSError as exc:
+                    if exc.errno in _UNSAFE_ERRNOS:
+                        raise UnsafeEntry(relpath, "symbolic link or non-directory on the way") from None
+                    raise
+                os.close(parent_fd)
+                parent_fd = next_fd
+        finally:
+            os.close(parent_fd)
+
+
+def lstat(dir_fd: int, relpath: str) -> os.stat_result | None:
+    """``lstat`` of ``relpath`` beneath ``dir_fd`` (the entry itself, never a link's target);
+    ``None`` when it does not exist. Raises :class:`UnsafeEntry` for a symbolic link or
+    non-directory *on the way* (the last component may be anything: check ``st_mode``)."""
+    head, _, name = relpath.rpartition("/")
+    try:
+        parent = open_dir(dir_fd, head) if head else None
+    except FileNotFoundError:
+        return None
+    try:
+        return os.stat(name, dir_fd=dir_fd if parent is None else parent, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    finally:
+        if parent is not None:
+            os.close(parent)
+
+
+def remove_entry(dir_fd: int, relpath: str) -> bool:
+    """Remove whatever is at ``relpath`` beneath ``dir_fd`` without following links: the deepest
+    component that is a symbolic link or not a directory on the way is removed instead (that is
+    what made the path unsafe); a directory at the end is removed only if empty.
+
+    Returns True when something was removed, False when nothing was there. Never touches
+    anything outside ``dir_fd``.
+    """
+    parts = _components(relpath)
+    fd = os.open(".", _DIR_FLAGS, dir_fd=dir_fd)
+    try:
+        for i, part in enumerate(parts):
+            try:
+                st = os.stat(part, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                return False
+            last = i == len(parts) - 1
+            if stat.S_ISDIR(st.st_mode) and not last:
+                next_fd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = next_fd
+                continue
+            try:
+                if stat.S_ISDIR(st.st_mode):
+                    os.rmdir(part, dir_fd=fd)
+                else:
+                    os.unlink(part, dir_fd=fd)
+            except FileNotFoundError:
+                return False
+            return True
+        return False
+    finally:
+        os.close(fd)
