@@ -10,22 +10,35 @@ Every process and rank using the same ``root_dir`` and run configuration shares 
 Semantics callers rely on:
 
 * **Atomic, content-addressed writes** (:func:`kvtier.tiers.fs_io.write_chunk`): a reader sees no
-  file or a complete one; an existing final file is a finished chunk and is not rewritten.
-  Stray temporary files of crashed writers are removed at start-up once older than
+  file or a complete one; an existing final file of the trailered size is a finished chunk and is
+  not rewritten (anything else under its name is replaced). Stray temporary, probe and
+  ``config.json`` temporary files of crashed writers are removed at start-up once older than
   ``stale_tmp_grace_s``.
+* **Containment** (:mod:`kvtier.tiers.fs_beneath`): the tier holds its block tree open and
+  resolves every path beneath it without following a symbolic link at any level; only regular
+  files are opened, never blocking. A link or special file where a chunk or shard directory
+  belongs is never followed: it is removed and counted (reason ``not_regular``) by the load,
+  store or scan that meets it. ``root_dir`` itself may be a link.
 * **Integrity** (:mod:`kvtier.tiers.integrity`): files are the slot bytes plus a trailer page
-  (size ``slot_bytes + 4096``). A trailer-less file of exactly ``slot_bytes`` (written by vLLM)
-  is accepted as *unverified* and counted. Any other file is a miss: the slot is zeroed,
-  :class:`ChunkCorrupt` is raised (so the manager frees the slot and the bytes never reach a
-  device), the file is removed and ``kvtier_tier_fs_rejected_chunks_total{tier, reason}`` counts why.
+  (size ``slot_bytes + 4096``) naming the chunk's key and run. Any file that is not this chunk of
+  this run with intact bytes is a miss: the slot is zeroed, :class:`ChunkCorrupt` is raised (so
+  the manager frees the slot and the bytes never reach a device), the file is removed and
+  ``kvtier_tier_fs_rejected_chunks_total{tier, reason}`` counts why. A trailer-less file of
+  exactly ``slot_bytes`` (written by vLLM) is absent to lookups and refused by loads (reason
+  ``unverified``, file kept) unless ``accept_unverified_chunks`` is set; then it is loaded
+  size-checked only and counted.
 * **Lookups never block**: :meth:`FileSystemTier.known` answers from the in-memory index (chunks
   this process wrote, loaded, probed or scanned); unknown keys are probed off-thread by
   :meth:`FileSystemTier.contains`, so chunks written by other processes are found.
 * **Capacity** (``max_bytes``, kvtier extension): space for a chunk is reserved, evicting the
-  least recently stored/loaded chunks first, BEFORE the chunk is written, so the bytes on disk
-  under this rank's tree stay ≤ ``max_bytes`` after every job. Chunks being read or written are
-  never evicted. Usage is rebuilt from disk at start-up (recency seeded from mtimes) and
-  re-synchronised every ``rescan_interval_s`` with what other processes added or deleted.
+  least recently stored/loaded chunks first, BEFORE the chunk is written, and the chunk is written
+  only once the files of every eviction started before it are deleted — so the bytes this
+  process's files take under the rank's tree never exceed ``max_bytes``, not even between jobs.
+  Chunks being read or written are never evicted. Usage is rebuilt from disk at start-up (recency
+  seeded from mtimes) and re-synchronised every ``rescan_interval_s`` with what other processes
+  added or deleted; a rescan never drops a chunk this process confirmed after it started listing.
+  Several engines (or processes) sharing a tree each hold the cap for what they know of;
+  together they converge at their rescans.
 * **Whole jobs per hand-off**: the tier implements the base's batch hooks
   (:meth:`FileSystemTier.write_many` / :meth:`FileSystemTier.read_many`): a job's chunks are
   queued on the dual-queue pool together — cut into one slice per CPU core for page-cache
@@ -33,8 +46,10 @@ Semantics callers rely on:
   device — run in parallel on its workers (paths and checksums included, off the event loop),
   and wake the loop once per job — not once per chunk, which cost more CPU than the I/O itself
   at page-cache speeds. Reads open files ``O_NOATIME`` where the process owns them.
-* **Faults** (ENOSPC, EIO, EACCES, missing directories or files) fail only the chunk concerned
-  (the base class counts them by reason); a failed store leaves no file behind.
+* **Faults** (ENOSPC — short writes included —, EIO, EACCES, missing directories or files) fail
+  only the chunk concerned (the base class counts them by reason); a failed store leaves no file
+  behind. Start-up reads an existing ``config.json`` before writing anything, so a restart on a
+  full disk serves what is there.
 """
 
 from __future__ import annotations
@@ -124,8 +139,8 @@ def ensure_config_json(root_fd: int, ns: Namespace, *, tmp_grace_s: float | None
         os.close(cfg_fd)
     path = ns.config_path
     if existing != ns.fields:
-        differing = sorted(k for k in set(existing or {}) | set(ns.fields)
-                           if (existing or {}).get(k) != ns.fields.get(k))
+        existing = existing or {}  # None: deleted by someone else between our link and our read
+        differing = sorted(k for k in set(existing) | set(ns.fields) if existing.get(k) != ns.fields.get(k))
         raise ConfigError(
             f"{path} describes a different run than this engine (fields differ: {', '.join(differing)}); "
             "refusing to share its chunks"
@@ -161,17 +176,19 @@ def _read_config_json(cfg_fd: int, ns: Namespace) -> Any:
 
 
 def _sweep_config_tmp(cfg_fd: int, tmp_grace_s: float | None) -> int:
+    """Remove ``config.json_<n>.tmp`` files older than ``tmp_grace_s`` (crashed first starts)."""
     if tmp_grace_s is None:
         return 0
     removed = 0
     now = time.time()
     with os.scandir(cfg_fd) as entries:
-        stale = [e.name for e in entries
-                 if _CONFIG_TMP.fullmatch(e.name) and e.is_file(follow_symlinks=False)
-                 and now - e.stat(follow_symlinks=False).st_mtime > tmp_grace_s]
-    for name in stale:
+        candidates = [e for e in entries if _CONFIG_TMP.fullmatch(e.name)]
+    for entry in candidates:
         try:
-            os.unlink(name, dir_fd=cfg_fd)
+            st = entry.stat(follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode) or now - st.st_mtime <= tmp_grace_s:
+                continue
+            os.unlink(entry.name, dir_fd=cfg_fd)
             removed += 1
         except FileNotFoundError:
             pass
