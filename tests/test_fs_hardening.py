@@ -364,3 +364,19 @@ async def test_config_json_that_is_a_link_is_refused(tmp_path: Path, host: SlotB
     os.symlink(real, config)
     with pytest.raises(ConfigError, match="symbolic link"):
         await make_tier(tmp_path, host).open()
+
+
+@pytest.mark.anyio
+async def test_a_rescan_never_revives_a_chunk_evicted_after_it_listed_the_tree(
+    tmp_path: Path, host: SlotBuffer
+) -> None:
+    tier = make_tier(tmp_path, host, max_bytes=4 * FILE, rescan_interval_s=3600)
+    async with running(tier):
+        assert (await store(tier, host, [1, 2, 3, 4])).success
+        started = time.monotonic()
+        scan = fs_io.scan_tree(tier._dir_fd, tmp_grace_s=None)  # lists 1..4
+        assert (await store(tier, host, [5, 6])).success  # evicts 1 and 2 after the listing
+        tier._apply_scan(scan, started)
+        assert key_of(1) not in tier.index and key_of(2) not in tier.index
+        assert tier.index.used == sum(f.stat().st_size for f in bin_files(tmp_path)) == 4 * FILE
+        assert tier.statistics().evictions == 2  # nothing else evicted to make room for ghosts

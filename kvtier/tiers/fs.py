@@ -93,6 +93,8 @@ logger = logging.getLogger(__name__)
 #: Allowed values of the fs ``eviction_policy`` option.
 EVICTION_POLICIES: tuple[str, ...] = ("lru",)
 _MAX_CONFIG_JSON_BYTES = 1 << 20
+#: How many recent removals the disk index remembers for its next rescan (see DiskIndex.reconcile).
+_MAX_REMOVAL_RECORDS = 1 << 16
 
 
 # ------------------------------------------------------------------------------------------------
@@ -220,6 +222,9 @@ class DiskIndex:
         self.used = 0
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self._busy: dict[bytes, int] = {}
+        # key -> when this process dropped it (evicted, deleted, rejected); kept until a later
+        # scan starts, so a scan that listed the file before it went does not bring it back.
+        self._removed_at: dict[bytes, float] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -262,6 +267,11 @@ class DiskIndex:
         if entry is None:
             return False
         self.used -= entry.size
+        removed_at = self._removed_at
+        removed_at.pop(key, None)  # re-inserted last: the dict stays in time order
+        removed_at[key] = time.monotonic()
+        if len(removed_at) > _MAX_REMOVAL_RECORDS:  # bounded between rescans; the oldest go first
+            del removed_at[next(iter(removed_at))]
         return True
 
     def pin(self, key: bytes) -> None:
@@ -343,17 +353,20 @@ class DiskIndex:
         """Make the index agree with a scan started at monotonic time ``scan_started``.
 
         Keys the scan did not see are dropped (another process deleted them) unless they are busy
-        or were learned after the scan started; keys only the scan saw are added (recency by
-        mtime, after the known ones). Returns the dropped keys.
+        or were confirmed after the scan started; keys only the scan saw are added (recency by
+        mtime, after the known ones) unless this process dropped them after the scan started (the
+        listing predates their deletion). Returns the dropped keys.
         """
-        on_disk = {chunk.key: chunk for chunk in scan.chunks}
+        removed_since = {k: t for k, t in self._removed_at.items() if t >= scan_started}
+        self._removed_at = dict(removed_since)  # older records can mislead no later scan
+        on_disk = {chunk.key: chunk for chunk in scan.chunks if chunk.key not in removed_since}
         dropped = [
             key for key, entry in self._entries.items()
             if key not in on_disk and key not in self._busy and entry.seen_at < scan_started
         ]
         for key in dropped:
             self.remove(key)
-        for chunk in scan.chunks:  # oldest first
+        for chunk in on_disk.values():  # oldest first
             entry = self._entries.get(chunk.key)
             if entry is None:
                 self.add(chunk.key, chunk.size, chunk.mtime)
