@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "ConfigError": "kvtier.errors",
     "RequestError": "kvtier.errors",
+    "EngineClosedError": "kvtier.errors",
     "EngineConfig": "kvtier.config",
     "TierConfig": "kvtier.config",
     "RequestParams": "kvtier.config",
@@ -54,7 +55,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtier.config import EngineConfig, RequestParams, TierConfig, TierFilter
     from kvtier.metrics import EngineMetrics, serve_metrics
     from kvtier.context import RequestContext
-    from kvtier.errors import ConfigError, RequestError
+    from kvtier.errors import ConfigError, EngineClosedError, RequestError
     from kvtier.layout import KVGeometry
     from kvtier.manager import TieringManager
     from kvtier.types import Locality, LookupResult, Medium, OffloadingEvent

@@ -3,8 +3,17 @@
 ``async with kvtier.open(config, geometry, device_kv) as engine`` builds the whole stack — host
 tier, copy engine, secondary tiers, manager, optional event publisher and metrics server — and
 runs every component's task group *inside the caller's* structured concurrency (asyncio or
-trio). Leaving the block closes everything: tiers are closed (all of them, even if one fails),
-jobs in flight are cancelled and reported, threads are joined.
+trio). Leaving the block closes everything:
+
+* first it *flushes*: it waits, up to ``flush_timeout_s`` (default 5 s; 0 = do not wait), for
+  the tier jobs in flight — the cascades of stored chunks to the secondary tiers, promotions —
+  as :meth:`Engine.drain` does. The wait is not shielded: a cancelled caller does not wait.
+  Jobs still unfinished then are logged (WARNING, per tier: jobs and chunks abandoned);
+* then tiers are closed (all of them, even if one fails), jobs still in flight are cancelled and
+  reported, threads are joined (shielded: this part always runs to the end);
+* from the moment closing starts every public method raises :class:`kvtier.EngineClosedError`.
+
+Call arguments are checked at the call, before any work is queued (``kvtier.arguments``).
 
 ``kvtier.start_in_thread(...)`` runs the same engine on an event loop in a background thread and
 returns a blocking, thread-safe facade for callers without an event loop.
@@ -18,9 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import logging
 import math
+import socket
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,9 +39,10 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from kvtier.arguments import check_block_ids, count, int_ids
 from kvtier.config import EngineConfig
 from kvtier.context import RequestContext
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, EngineClosedError
 from kvtier.keys import BlockHasher, chunk_keys
 from kvtier.layout import KVGeometry
 from kvtier.manager import PRIMARY_LABEL, TieringManager, load_spec
@@ -54,6 +66,8 @@ logger = logging.getLogger("kvtier.api")
 #: How long ``load``/``store`` wait for promotions, probes or free host slots before giving up
 #: (the request then recomputes / is not offloaded). Overridable per engine.
 DEFAULT_WAIT_TIMEOUT_S = 10.0
+#: How long leaving the engine waits for tier jobs in flight (cascades) before abandoning them.
+DEFAULT_FLUSH_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,9 +131,16 @@ class Engine:
         hash_algorithm: str = "sha256",
         wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
         kv_events_enabled: bool = False,
+        flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S,
     ) -> None:
         if not math.isfinite(wait_timeout_s) or wait_timeout_s <= 0:
             raise ConfigError(f"wait_timeout_s: {wait_timeout_s!r} is invalid; expected a positive number")
+        if (isinstance(flush_timeout_s, bool) or not isinstance(flush_timeout_s, (int, float))
+                or not math.isfinite(flush_timeout_s) or flush_timeout_s < 0):
+            raise ConfigError(
+                f"flush_timeout_s: {flush_timeout_s!r} is invalid; expected a finite number of seconds >= 0 "
+                "(0: do not wait for cascades at close)"
+            )
         self.config = config
         self.spec = load_spec(config)
         self.geometry = geometry
@@ -130,14 +151,22 @@ class Engine:
         self.slot_bytes = geometry.slot_bytes(self.blocks_per_chunk)
         self.num_slots = config.num_slots(self.slot_bytes)
         self.wait_timeout_s = wait_timeout_s
+        self.flush_timeout_s = float(flush_timeout_s)
         self.kv_events_enabled = kv_events_enabled
+        #: Blocks of the device KV cache (valid block ids are ``[0, num_device_blocks)``);
+        #: ``None`` without ``device_kv``.
+        self.num_device_blocks: int | None = None
         self._hasher = BlockHasher(hash_algorithm, geometry.block_size)
         self._req_ids = itertools.count()
         self._copy_ids = itertools.count()
         self._copy_waiters: dict[int, tuple[anyio.Event, list[CopyResult]]] = {}
         self._copy_counters = _CopyCounters()
         self._tick: anyio.Event | None = None
+        self._running = False  # every component started (the body of ``open`` was reached)
+        self._closing = False  # close began: public methods refuse from now on
         self._closed = False
+        # Why close did not finish the flush (for the abandoned-jobs warning).
+        self._flush_shortfall = "the flush was not attempted"
         # load/store operations are "readers" of the host tier; reset_cache is the "writer".
         self._active_ops = 0
         self._ops_idle: anyio.Event | None = None
@@ -166,6 +195,13 @@ class Engine:
             max_tracker_size=cfg.max_tracker_size,
             enable_events=self.kv_events_enabled,
         )
+        try:
+            _ = self.host.buffer  # allocate now: a size the machine cannot hold fails at start-up
+        except ConfigError as exc:
+            detail = str(exc).removeprefix("cpu_bytes_to_use: ")
+            raise ConfigError(
+                f"cpu_bytes_to_use: {cfg.cpu_bytes_to_use} is more than this machine can allocate: {detail}"
+            ) from None
 
     def _build_tiers(self) -> None:
         from kvtier.tiers.base import TierContext
@@ -211,6 +247,7 @@ class Engine:
             self.copy_engine = make_copy_engine(
                 self.device_kv, self.geometry, self.blocks_per_chunk, self.host.buffer, tp_rank=self.tp_rank
             )
+            self.num_device_blocks = self.copy_engine.num_blocks
             self.copy_engine.set_wakeup(self._wake)
             await tg.start(self.copy_engine.run)
         self._build_tiers()
@@ -228,6 +265,7 @@ class Engine:
             await tg.start(self.publisher.run)
         self._setup_metrics(metrics)
         tg.start_soon(self._drive)
+        self._running = True
 
     def _setup_metrics(self, metrics: Mapping[str, Any] | None) -> None:
         from kvtier.metrics import EngineMetrics, serve_metrics
@@ -247,9 +285,17 @@ class Engine:
             port = metrics.get("port", 9464)
             if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
                 raise ConfigError(f"metrics.port: {port!r} is invalid; expected an int in [0, 65535]")
-            self.metrics_server = serve_metrics(
-                self.metrics.registry, host=str(metrics.get("host", "127.0.0.1")), port=port
-            )
+            host = str(metrics.get("host", "127.0.0.1"))
+            try:
+                self.metrics_server = serve_metrics(self.metrics.registry, host=host, port=port)
+            except OSError as exc:
+                # Which key is at fault: a name that does not resolve or an address this machine
+                # does not have is the host's; a port in use (or privileged) is the port's.
+                key = "metrics.host" if isinstance(exc, socket.gaierror) or exc.errno in (
+                    errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT) else "metrics.port"
+                raise ConfigError(
+                    f"{key}: cannot serve metrics on {host}:{port}: {exc.strerror or exc}"
+                ) from None
 
     # ------------------------------------------------------------------ progress
     def _wake(self) -> None:
@@ -334,7 +380,8 @@ class Engine:
     # ------------------------------------------------------------------ keys
     def chunk_keys(self, token_ids: Sequence[int]) -> list[bytes]:
         """Offload keys of the complete chunks of ``token_ids`` (prefix order)."""
-        return self._hashes_and_keys(token_ids)[1]
+        self._check_open("chunk_keys")
+        return self._hashes_and_keys(int_ids(token_ids, "token_ids"))[1]
 
     def _hashes_and_keys(self, token_ids: Sequence[int]) -> tuple[list[bytes], list[bytes]]:
         hashes = self._hasher.hash_blocks(token_ids)
@@ -363,29 +410,35 @@ class Engine:
             ctx.set_offload_key_position(key, (first_chunk + i + 1) * self.chunk_tokens)
         return ctx
 
-    def _check_blocks(self, block_ids: Sequence[int], needed: int) -> None:
-        if len(block_ids) < needed:
-            raise ValueError(f"block_ids has {len(block_ids)} entries; {needed} device blocks are needed")
+    def _check_open(self, method: str) -> None:
+        if self._closing:
+            state = "closed" if self._closed else "closing"
+            raise EngineClosedError(
+                f"Engine.{method}(): this kvtier engine is {state} (its `async with kvtier.open(...)` "
+                "block was left or close() was called); open a new engine"
+            )
 
     # ------------------------------------------------------------------ public API
     def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
         """Tokens of ``token_ids`` whose chunks some tier holds now. Non-blocking, no promotion.
 
         A tier that does not know yet counts as a miss (its probe is started, so a later call
-        may answer more).
+        may answer more). Bad ``token_ids`` raise ``TypeError``/``ValueError`` (see :meth:`load`).
         """
+        self._check_open("cached_prefix_tokens")
+        keys = self._hashes_and_keys(int_ids(token_ids, "token_ids"))[1]
         ctx = RequestContext(f"peek-{next(self._req_ids)}")
-        count = 0
-        for key in self.chunk_keys(token_ids):
+        held = 0
+        for key in keys:
             if self.host.lookup(key) is not LookupResult.MISS:
-                count += 1
+                held += 1
                 continue
             if not any(t.lookup(key, ctx) is LookupResult.HIT for t in self.tiers):
                 break
-            count += 1
+            held += 1
         for tier in self.tiers:
             tier.on_request_finished(ctx)
-        return count * self.chunk_tokens
+        return held * self.chunk_tokens
 
     async def load(self, token_ids: Sequence[int], block_ids: Sequence[int],
                    params: Mapping[str, Any] | None = None, *, num_computed_tokens: int = 0) -> int:
@@ -401,32 +454,48 @@ class Engine:
 
         Returns the number of tokens beyond ``num_computed_tokens`` now on the device, so the
         caller's new computed count is ``num_computed_tokens + result``.
+
+        Arguments are checked before any work is queued: ``token_ids`` and ``block_ids`` are
+        sequences of ints (``TypeError`` otherwise: bool, float, str, None), token ids are >= 0,
+        ``num_computed_tokens`` is an int >= 0, and the block ids this call may use — those of
+        the chunks from ``num_computed_tokens`` to the end of ``token_ids`` — exist, lie in
+        ``[0, number of device blocks)`` and are distinct (``ValueError`` naming the id).
+        Raises :class:`kvtier.EngineClosedError` once the engine is closing.
         """
-        return (await self.load_with_sources(token_ids, block_ids, params,
-                                             num_computed_tokens=num_computed_tokens)).tokens
+        self._check_open("load")
+        return (await self._checked_load(token_ids, block_ids, params, num_computed_tokens)).tokens
 
     async def load_with_sources(self, token_ids: Sequence[int], block_ids: Sequence[int],
                                 params: Mapping[str, Any] | None = None, *,
                                 num_computed_tokens: int = 0) -> LoadOutcome:
         """Like :meth:`load`, also reporting how many tokens came from each tier label."""
+        self._check_open("load_with_sources")
+        return await self._checked_load(token_ids, block_ids, params, num_computed_tokens)
+
+    async def _checked_load(self, token_ids: Sequence[int], block_ids: Sequence[int],
+                            params: Mapping[str, Any] | None, num_computed_tokens: int) -> LoadOutcome:
+        token_ids = int_ids(token_ids, "token_ids")
+        block_ids = int_ids(block_ids, "block_ids")
+        num_computed_tokens = count(num_computed_tokens, "num_computed_tokens")
         async with self._operation():
             return await self._load(token_ids, block_ids, params, num_computed_tokens)
 
     async def _load(self, token_ids: Sequence[int], block_ids: Sequence[int],
                     params: Mapping[str, Any] | None, num_computed_tokens: int) -> LoadOutcome:
         hashes, keys = self._hashes_and_keys(token_ids)
-        first = max(0, num_computed_tokens) // self.chunk_tokens
+        first = num_computed_tokens // self.chunk_tokens
         ctx = self._context("load", params, keys[first:], first)
         limit = ctx.params.max_load_tokens
         candidates = keys[first:]
         if limit is not None:
             candidates = candidates[: limit // self.chunk_tokens]
         try:
+            bpc = self.blocks_per_chunk
+            check_block_ids(block_ids, first * bpc, (first + len(candidates)) * bpc, self.num_device_blocks)
             hit_keys = await self._resolve_prefix(candidates, ctx)
             if not hit_keys:
                 return LoadOutcome(0, {})
             self._remember_chunks(token_ids, hashes, hit_keys, first)
-            self._check_blocks(block_ids, (first + len(hit_keys)) * self.blocks_per_chunk)
             slot_ids = self.manager.prepare_load(hit_keys, ctx)
             try:
                 start = first * self.blocks_per_chunk
@@ -485,7 +554,17 @@ class Engine:
         held are not copied again. Honours ``max_offload_tokens`` and, when
         ``offload_prompt_only`` is set and ``num_prompt_tokens`` is given, stops at the prompt.
         If no host slot can be freed within ``wait_timeout_s`` nothing is offloaded (0).
+
+        Arguments are checked before any work is queued, as for :meth:`load`; the block ids
+        checked for range and duplicates are those of the chunks this call offloads;
+        ``num_prompt_tokens`` is ``None`` or an int >= 0. Raises
+        :class:`kvtier.EngineClosedError` once the engine is closing.
         """
+        self._check_open("store")
+        token_ids = int_ids(token_ids, "token_ids")
+        block_ids = int_ids(block_ids, "block_ids")
+        if num_prompt_tokens is not None:
+            num_prompt_tokens = count(num_prompt_tokens, "num_prompt_tokens")
         async with self._operation():
             return await self._store(token_ids, block_ids, params, num_prompt_tokens)
 
@@ -503,7 +582,7 @@ class Engine:
         try:
             if not keys:
                 return 0
-            self._check_blocks(block_ids, len(keys) * self.blocks_per_chunk)
+            check_block_ids(block_ids, 0, len(keys) * self.blocks_per_chunk, self.num_device_blocks)
             deadline = anyio.current_time() + self.wait_timeout_s
             while (out := self.manager.prepare_store(keys, ctx)) is None:
                 if not await self._wait_progress(deadline):
@@ -538,6 +617,7 @@ class Engine:
         New loads and stores wait; the ones running finish first (so no device copy can target
         a freed slot), then every tier job in flight is drained, then the host tier is reset.
         """
+        self._check_open("reset_cache")
         while self._reset_gate is not None:  # a reset is already running: that one will do
             await self._reset_gate.wait()
             return
@@ -547,7 +627,7 @@ class Engine:
                 idle = self._ops_idle = anyio.Event()
                 await idle.wait()
             self._ops_idle = None
-            await self.drain()
+            await self._drain()
             self.manager.reset_cache()
             self.manager.on_reset_flushed()
             if self.publisher is not None:
@@ -558,13 +638,17 @@ class Engine:
 
     async def drain(self) -> None:
         """Wait until every job in flight (cascades included) has been reported."""
+        self._check_open("drain")
+        await self._drain()
+
+    async def _drain(self) -> None:
         self.manager.on_schedule_end()
         while self.manager.jobs_in_flight:
             await self._wait_progress(anyio.current_time() + 1.0)
             self._dispatch()
 
     def statistics(self) -> dict[str, Any]:
-        """Snapshots of every component, keyed by tier label."""
+        """Snapshots of every component, keyed by tier label (also after close: the final counts)."""
         stats: dict[str, Any] = {PRIMARY_LABEL: self.host.statistics(), "manager": self.manager.statistics(),
                                  "copies": self._copy_counters.statistics()}
         for tier in self.tiers:
@@ -572,11 +656,49 @@ class Engine:
         return stats
 
     # ------------------------------------------------------------------ shutdown
+    async def _flush(self) -> None:
+        """First step of close: wait up to ``flush_timeout_s`` for the tier jobs in flight.
+
+        Not shielded: if the caller's scope is cancelled the wait ends at once (and the jobs are
+        abandoned by :meth:`_aclose`, which logs them). Public methods refuse from here on.
+        """
+        self._closing = True
+        if not self._running:
+            return
+        if self.flush_timeout_s == 0:
+            self._flush_shortfall = "flush_timeout_s=0: close does not wait"
+            return
+        self._flush_shortfall = "close was cancelled while flushing"
+        with anyio.move_on_after(self.flush_timeout_s):
+            await self._drain()
+            self._flush_shortfall = ""
+            return
+        self._flush_shortfall = f"flush_timeout_s={self.flush_timeout_s:g} passed"
+
+    def _log_abandoned(self) -> None:
+        """WARNING per tier with jobs still in flight at close: they are about to be cancelled."""
+        self.manager.poll()
+        for label, jobs in self.manager.jobs_in_flight_by_tier().items():
+            if not jobs.jobs:
+                continue
+            logger.warning(
+                "closing the kvtier engine (%s): tier %s abandons %d cascade jobs (%d chunks not "
+                "written to it) and %d promotion jobs (%d chunks)",
+                self._flush_shortfall or "flushed", label, jobs.cascade_jobs, jobs.cascade_chunks,
+                jobs.promotion_jobs, jobs.promotion_chunks,
+            )
+
     async def _aclose(self) -> None:
         """Close every component; all are attempted, the first error is re-raised."""
+        self._closing = True
         if self._closed:
             return
         self._closed = True
+        if self._running:
+            try:
+                self._log_abandoned()
+            except Exception:  # noqa: BLE001 - a report must never keep a component open
+                logger.exception("counting the tier jobs abandoned at close failed")
         errors: list[BaseException] = []
         with anyio.CancelScope(shield=True):
             for tier in self.tiers:
@@ -615,18 +737,29 @@ async def open(  # noqa: A001 - the public name is kvtier.open
     tp_rank: int = 0,
     hash_algorithm: str = "sha256",
     wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
+    flush_timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S,
 ) -> AsyncIterator[Engine]:
     """Run a kvtier engine inside the caller's structured concurrency.
 
     ``config`` is the ``kv_connector_extra_config`` dictionary (or an ``EngineConfig``);
     ``events`` enables KV events and configures the ZMQ publisher; ``metrics={"port": P,
     "host": H}`` serves ``/metrics`` (the registry is ``engine.metrics.registry`` either way).
-    Raises :class:`kvtier.ConfigError` for a bad configuration or an unusable tier (before
-    yielding). On exit every component is closed and joined.
+    Raises :class:`kvtier.ConfigError` for a bad configuration, an unusable tier, a host buffer
+    the machine cannot allocate, an events endpoint or metrics port that cannot be bound (all
+    before yielding).
+
+    On exit — normal, or an exception from the body — the engine first waits up to
+    ``flush_timeout_s`` seconds (default 5; finite, >= 0) for tier jobs in flight, so chunks
+    just stored reach the secondary tiers; ``0`` does not wait. The wait is not shielded: when
+    the caller's scope is cancelled, exit does not wait. Jobs still unfinished are then logged
+    at WARNING (per tier, jobs and chunks) and cancelled, and every component is closed and
+    joined. From the start of the exit every engine method raises
+    :class:`kvtier.EngineClosedError`.
     """
     engine_config = EngineConfig.coerce(config)
     engine = Engine(engine_config, geometry, device_kv, tp_rank=tp_rank, hash_algorithm=hash_algorithm,
-                    wait_timeout_s=wait_timeout_s, kv_events_enabled=events is not None)
+                    wait_timeout_s=wait_timeout_s, kv_events_enabled=events is not None,
+                    flush_timeout_s=flush_timeout_s)
     try:
         async with anyio.create_task_group() as tg:
             try:
@@ -634,7 +767,10 @@ async def open(  # noqa: A001 - the public name is kvtier.open
                 yield engine
             finally:
                 try:
-                    await engine._aclose()
+                    try:
+                        await engine._flush()  # unshielded on purpose: cancellation cuts it short
+                    finally:
+                        await engine._aclose()
                 finally:
                     tg.cancel_scope.cancel()
     except BaseExceptionGroup as group:
@@ -665,7 +801,12 @@ def _sole_exception(group: BaseExceptionGroup) -> BaseException:
 
 
 class ThreadedEngine:
-    """Blocking, thread-safe facade over an :class:`Engine` running in a background thread."""
+    """Blocking, thread-safe facade over an :class:`Engine` running in a background thread.
+
+    Every method raises :class:`kvtier.EngineClosedError` after :meth:`close` (also when another
+    thread closes the engine during the call), except :meth:`statistics`, which then returns the
+    final snapshot, and :meth:`close` itself, which is idempotent.
+    """
 
     def __init__(self, portal_cm: Any, portal: Any, engine_cm: Any, engine: Engine) -> None:
         self._portal_cm = portal_cm
@@ -676,37 +817,55 @@ class ThreadedEngine:
         self.chunk_tokens = engine.chunk_tokens
         self._closed = False
 
+    def _call(self, method: str, func: Any, *args: Any) -> Any:
+        """Run ``func`` on the engine's loop; a closed engine is an EngineClosedError, never a portal error."""
+        if self._closed:
+            raise EngineClosedError(f"ThreadedEngine.{method}(): this kvtier engine is closed; start a new one")
+        try:
+            return self._portal.call(func, *args)
+        except EngineClosedError:
+            raise
+        except RuntimeError as exc:
+            if self._closed:  # closed by another thread while this call waited for the portal
+                raise EngineClosedError(
+                    f"ThreadedEngine.{method}(): this kvtier engine was closed during the call"
+                ) from exc
+            raise
+
     def load(self, token_ids: Sequence[int], block_ids: Sequence[int],
              params: Mapping[str, Any] | None = None, *, num_computed_tokens: int = 0) -> int:
-        return self._portal.call(
-            lambda: self.engine.load(token_ids, block_ids, params, num_computed_tokens=num_computed_tokens)
-        )
+        return self._call("load", lambda: self.engine.load(
+            token_ids, block_ids, params, num_computed_tokens=num_computed_tokens))
 
     def load_with_sources(self, token_ids: Sequence[int], block_ids: Sequence[int],
                           params: Mapping[str, Any] | None = None, *,
                           num_computed_tokens: int = 0) -> LoadOutcome:
-        return self._portal.call(
-            lambda: self.engine.load_with_sources(token_ids, block_ids, params,
-                                                  num_computed_tokens=num_computed_tokens)
-        )
+        return self._call("load_with_sources", lambda: self.engine.load_with_sources(
+            token_ids, block_ids, params, num_computed_tokens=num_computed_tokens))
 
     def store(self, token_ids: Sequence[int], block_ids: Sequence[int],
               params: Mapping[str, Any] | None = None, *, num_prompt_tokens: int | None = None) -> int:
-        return self._portal.call(
-            lambda: self.engine.store(token_ids, block_ids, params, num_prompt_tokens=num_prompt_tokens)
-        )
+        return self._call("store", lambda: self.engine.store(
+            token_ids, block_ids, params, num_prompt_tokens=num_prompt_tokens))
 
     def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
-        return self._portal.call(self.engine.cached_prefix_tokens, token_ids)
+        return self._call("cached_prefix_tokens", self.engine.cached_prefix_tokens, token_ids)
 
     def drain(self) -> None:
-        self._portal.call(self.engine.drain)
+        self._call("drain", self.engine.drain)
 
     def statistics(self) -> dict[str, Any]:
-        return self._portal.call(self.engine.statistics)
+        if self._closed:  # the loop is gone, so nothing races with the read: the final counts
+            return self.engine.statistics()
+        return self._call("statistics", self.engine.statistics)
 
     def close(self) -> None:
-        """Close the engine and stop its thread. Idempotent."""
+        """Close the engine and stop its thread. Idempotent.
+
+        Like leaving ``kvtier.open``: first waits up to ``flush_timeout_s`` (given to
+        :func:`start_in_thread`; default 5 s, 0 = no wait) for cascades in flight, logs what is
+        abandoned, then closes every component and joins the thread.
+        """
         if self._closed:
             return
         self._closed = True
@@ -728,7 +887,11 @@ def start_in_thread(
     device_kv: Sequence[torch.Tensor] | torch.Tensor | None = None,
     **kwargs: Any,
 ) -> ThreadedEngine:
-    """Start an engine on an asyncio loop in a background thread; return its blocking facade."""
+    """Start an engine on an asyncio loop in a background thread; return its blocking facade.
+
+    ``kwargs`` are those of :func:`open` (``events``, ``metrics``, ``wait_timeout_s``,
+    ``flush_timeout_s``, ...); :meth:`ThreadedEngine.close` flushes as leaving :func:`open` does.
+    """
     portal_cm = anyio.from_thread.start_blocking_portal(backend="asyncio")
     portal = portal_cm.__enter__()
     try:

@@ -6,7 +6,7 @@ without importing the configuration machinery.
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "RequestError", "KvtierError"]
+__all__ = ["ConfigError", "RequestError", "EngineClosedError", "KvtierError"]
 
 
 class KvtierError(Exception):
@@ -23,3 +23,12 @@ class ConfigError(KvtierError, ValueError):
 
 class RequestError(KvtierError, ValueError):
     """A per-request field combination is forbidden (for example two conflicting P/D roles)."""
+
+
+class EngineClosedError(KvtierError, RuntimeError):
+    """A method was called on an engine that is closed or closing.
+
+    Raised by every public :class:`kvtier.Engine` and ``ThreadedEngine`` call once the engine's
+    ``async with kvtier.open(...)`` block was left (or ``close()`` was called): a closed engine
+    never answers ``0`` as if nothing were cached. Open a new engine instead.
+    """

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TieringManager",
     "ManagerStatistics",
+    "JobsInFlight",
     "PRIMARY_LABEL",
     "OffloadingSpec",
     "CPUOffloadingSpec",
@@ -72,6 +73,20 @@ class ManagerStatistics:
     cascade_latency: dict[str, dict[str, HistogramSnapshot]]
     jobs_in_flight: int
     promotions_held: bool
+
+
+@dataclass(frozen=True, slots=True)
+class JobsInFlight:
+    """Tier jobs of one tier submitted and not yet reported, with the chunks they carry."""
+
+    cascade_jobs: int = 0
+    cascade_chunks: int = 0
+    promotion_jobs: int = 0
+    promotion_chunks: int = 0
+
+    @property
+    def jobs(self) -> int:
+        return self.cascade_jobs + self.promotion_jobs
 
 
 @dataclass(slots=True)
@@ -330,6 +345,16 @@ class TieringManager:
     @property
     def jobs_in_flight(self) -> int:
         return len(self._jobs)
+
+    def jobs_in_flight_by_tier(self) -> dict[str, JobsInFlight]:
+        """Jobs in flight (as of the last :meth:`poll`) per tier label, every tier listed."""
+        counts = {label: [0, 0, 0, 0] for label in self._labels}
+        for record in self._jobs.values():
+            entry = counts[self._labels[record.tier_idx]]
+            offset = 2 if record.is_promotion else 0
+            entry[offset] += 1
+            entry[offset + 1] += len(record.keys)
+        return {label: JobsInFlight(*entry) for label, entry in counts.items()}
 
     # ------------------------------------------------------------------ events, stats, reset
     def take_events(self) -> list[OffloadingEvent]:

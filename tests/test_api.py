@@ -135,7 +135,10 @@ async def test_close_with_jobs_in_flight_returns_promptly() -> None:
     tiers = [{"type": "faulty", "capacity_bytes": 1 << 24, "latency_s": 60.0}]
     started = time.monotonic()
     with anyio.fail_after(10):
-        async with kvtier.open(tiering_config(slots=16, tiers=tiers), geometry(), kv) as engine:
+        # flush_timeout_s=0: close does not wait for the stuck cascades (tests/test_close_flush.py
+        # covers the flush itself).
+        async with kvtier.open(tiering_config(slots=16, tiers=tiers), geometry(), kv,
+                               flush_timeout_s=0) as engine:
             for i, tokens in enumerate(prompts(8, BLOCK, seed=4)):
                 await engine.store(tokens, [i])
             assert engine.manager.jobs_in_flight > 0

@@ -380,12 +380,15 @@ async def test_full_event_queue_drops_batches_without_blocking_stores(monkeypatc
     """
     chunks = 256  # chunks per prompt: one BlockStored each, plus one BlockRemoved per eviction
     config = {"cpu_bytes_to_use": 2 * chunks * SLOT_BYTES}
-    blocks = list(range(NUM_BLOCKS)) * (chunks // NUM_BLOCKS)  # stores only read device blocks
+    # One distinct device block per chunk (a call's block ids must be distinct); the concurrent
+    # stores share them, which is fine: stores only read device blocks.
+    blocks = list(range(chunks))
+    kv = [torch.ones((chunks, 2, BLOCK, HEADS, DIM), dtype=torch.float16) for _ in range(LAYERS)]
     tokens = chunks * BLOCK
     all_prompts = [list(range(i * tokens + 1, (i + 1) * tokens + 1)) for i in range(400)]  # all distinct
     offered = {"batches": 0, "events": 0, "refused": 0}
     stored_tokens = 0
-    async with kvtier.open(config, geometry(), device_kv(), events=events_config(max_queue_size=1)) as engine:
+    async with kvtier.open(config, geometry(), kv, events=events_config(max_queue_size=1)) as engine:
         pub = engine.publisher
         real_publish = pub.publish
 

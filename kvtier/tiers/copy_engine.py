@@ -131,6 +131,7 @@ class _CopyPlan:
             self.cross_layer = True
             tensors = [device_kv]
             expected: tuple[str | int, ...] = ("num_blocks", self.num_layers, *page)
+            legend = "num_blocks, num_layers, K/V, block_size, this rank's kv heads, head_dim"
         else:
             self.cross_layer = False
             tensors = list(device_kv)
@@ -139,23 +140,30 @@ class _CopyPlan:
                     f"device_kv has {len(tensors)} per-layer tensors, geometry has {self.num_layers} layers"
                 )
             expected = ("num_blocks", *page)
+            legend = "num_blocks, K/V, block_size, this rank's kv heads, head_dim"
         if not tensors:
             raise ConfigError("device_kv is empty")
         num_blocks = int(tensors[0].shape[0]) if tensors[0].dim() > 0 else 0
         device = tensors[0].device
         for idx, t in enumerate(tensors):
             where = "device_kv" if self.cross_layer else f"device_kv[{idx}]"
+            if not isinstance(t, torch.Tensor):
+                raise ConfigError(f"{where} is a {type(t).__name__}, expected a torch.Tensor")
             if tuple(t.shape[1:]) != tuple(expected[1:]) or t.dim() != len(expected):
-                raise ConfigError(
-                    f"{where} has shape {tuple(t.shape)}, expected {expected} "
-                    f"(layers, K/V, block_size, this rank's kv heads, head_dim)"
-                )
+                raise ConfigError(f"{where} has shape {tuple(t.shape)}, expected {expected} ({legend})")
             if t.shape[0] != num_blocks:
                 raise ConfigError(f"{where} has {t.shape[0]} blocks, device_kv[0] has {num_blocks}")
             if t.dtype != dtype:
                 raise ConfigError(f"{where} has dtype {t.dtype}, geometry says {dtype}")
             if t.device != device:
                 raise ConfigError(f"{where} is on {t.device}, device_kv[0] is on {device}")
+            if not t.is_contiguous():
+                # Copies address blocks by offset (and the CPU engine views the bytes in place):
+                # a transposed or sliced tensor would be read and written at the wrong places.
+                raise ConfigError(
+                    f"{where} must be contiguous (strides {tuple(t.stride())} for shape {tuple(t.shape)}); "
+                    "pass the KV cache tensor itself, not a transposed or strided view of it"
+                )
         if num_blocks < 1:
             raise ConfigError("device_kv has no blocks")
         self.device = device
@@ -311,6 +319,11 @@ class CopyEngine(abc.ABC):
     def chunk_bytes(self) -> int:
         """Bytes one chunk occupies in a host slot (all ranks together)."""
         return self._plan.chunk_bytes
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the device KV cache: valid block ids are ``[0, num_blocks)``."""
+        return self._plan.num_blocks
 
     def submit(self, job: CopyJob) -> None:
         """Queue ``job`` without waiting; a refused job is reported failed right away."""

@@ -14,13 +14,19 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kvtier.errors import ConfigError
+
 __all__ = ["SlotBuffer", "PAGE_SIZE"]
 
 PAGE_SIZE = 4096
 
 
 class SlotBuffer:
-    """Owner of the host bytes. Close it with :meth:`close` once nothing reads it any more."""
+    """Owner of the host bytes. Close it with :meth:`close` once nothing reads it any more.
+
+    A size the machine cannot allocate is a :class:`~kvtier.errors.ConfigError` naming
+    ``cpu_bytes_to_use`` (the key the size comes from), never a raw ``OSError``.
+    """
 
     def __init__(self, num_slots: int, slot_bytes: int, *, pin_memory: bool | None = None) -> None:
         if num_slots <= 0:
@@ -35,14 +41,23 @@ class SlotBuffer:
         self.slot_bytes = slot_bytes
         self.pinned = pin_memory
         self._mmap: mmap.mmap | None = None
-        if pin_memory:
-            # cudaHostAlloc returns page-aligned memory.
-            self.tensor = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, pin_memory=True)
-            self.array = self.tensor.numpy()
-        else:
-            self._mmap = mmap.mmap(-1, num_slots * slot_bytes)
-            self.array = np.frombuffer(self._mmap, dtype=np.uint8).reshape(num_slots, slot_bytes)
-            self.tensor = torch.from_numpy(self.array)
+        try:
+            if pin_memory:
+                # cudaHostAlloc returns page-aligned memory.
+                self.tensor = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, pin_memory=True)
+                self.array = self.tensor.numpy()
+            else:
+                self._mmap = mmap.mmap(-1, num_slots * slot_bytes)
+                self.array = np.frombuffer(self._mmap, dtype=np.uint8).reshape(num_slots, slot_bytes)
+                self.tensor = torch.from_numpy(self.array)
+        except (OSError, MemoryError, RuntimeError, OverflowError) as exc:
+            if self._mmap is not None:
+                self._mmap.close()
+            kind = "pinned (page-locked)" if pin_memory else "anonymous mmap"
+            raise ConfigError(
+                f"cpu_bytes_to_use: cannot allocate the host slot buffer of {num_slots * slot_bytes} bytes "
+                f"({num_slots} slots of {slot_bytes} bytes, {kind}): {exc}; lower cpu_bytes_to_use"
+            ) from None
         self._view = memoryview(self.array.reshape(-1).data).cast("B")
 
     @property
