@@ -19,6 +19,7 @@ Three layers, each usable alone:
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import logging
 import queue
@@ -39,6 +40,9 @@ from kvtier.errors import ConfigError
 from kvtier.keys import split_offload_key
 from kvtier.types import OffloadingEvent
 
+if sys.version_info < (3, 11):  # pragma: no cover - anyio depends on the backport there
+    from exceptiongroup import BaseExceptionGroup
+
 __all__ = [
     "ExternalBlockHash",
     "BlockStored",
@@ -52,6 +56,9 @@ __all__ = [
     "PublisherStatistics",
     "ZmqEventPublisher",
     "publisher_from_config",
+    "check_endpoint",
+    "estimated_batch_bytes",
+    "DEFAULT_MAX_QUEUE_BYTES",
     "offset_endpoint_for_rank",
     "run_events_cli",
 ]
@@ -315,6 +322,8 @@ class PublisherStatistics:
     dropped_batches: int
     sequence: int
     replay_requests: int
+    #: Estimated bytes held by the queued batches (bounded by ``max_queue_bytes``).
+    queue_bytes: int = 0
 
 
 _TCP_PORT = re.compile(r"^(tcp://.*):(\d+)$")
@@ -340,6 +349,8 @@ def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+#: Default bound of the publisher queue in (estimated) bytes.
+DEFAULT_MAX_QUEUE_BYTES = 16 << 20
 _STOP_POLL_S = 0.05  # how often the publisher thread looks at the stop flag and the replay socket
 _DRAIN_ON_CLOSE_S = 0.5  # queued batches still sent on close, at most this long
 _LINGER_MS = 200
@@ -359,16 +370,24 @@ class ZmqEventPublisher:
     ``buffer_steps``) whose seq ≥ start_seq as ``(client, "", topic, seq, payload)`` followed by
     the end marker ``(client, "", "", -1, "")``.
 
-    Back-pressure: :meth:`publish` never blocks. It enqueues onto a queue of ``max_queue_size``
-    batches; when that is full the batch is dropped and counted. PUB itself drops messages for a
-    slow subscriber beyond ``hwm``. Batches still queued when the publisher closes are sent for at
+    Back-pressure: :meth:`publish` never blocks. It enqueues onto a queue bounded by
+    ``max_queue_size`` batches and by ``max_queue_bytes`` (an estimate of the memory the queued
+    events hold, default 16 MiB; a batch larger than the whole bound is still taken when the
+    queue is empty); a batch beyond either bound is dropped and counted. PUB itself drops
+    messages for a slow subscriber beyond ``hwm``. Batches still queued when the publisher closes are sent for at
     most 0.5 s, the rest are counted as dropped, so after :meth:`aclose` every offered batch is
     either published or dropped.
+
+    Endpoints are checked when the publisher is built (``tcp://HOST:PORT`` with a port in
+    0..65535 or ``*`` and HOST ``*``, an IPv4/IPv6 literal or a host/interface name;
+    ``ipc://PATH``; ``inproc://NAME``): a malformed one is a :class:`~kvtier.errors.ConfigError`
+    naming ``events.endpoint`` / ``events.replay_endpoint``, and so is a bind or connect that
+    fails when the publisher starts (an address in use, an unknown interface).
 
     Lifecycle: an engine component. ``await tg.start(publisher.run)`` creates the sockets in a
     thread the publisher owns (started with ``anyio.to_thread.run_sync``, so it is joined by the
     task group); ``started()`` is signalled once the sockets are bound, so :attr:`last_endpoint`
-    is then the actual address. :meth:`aclose` (or cancelling ``run``) stops the thread within
+    is then the actual address; a socket that cannot be bound raises from ``tg.start``. :meth:`aclose` (or cancelling ``run``) stops the thread within
     about a second. pyzmq's async API is asyncio-only; the thread keeps the publisher usable on
     trio too.
     """
@@ -384,14 +403,20 @@ class ZmqEventPublisher:
         data_parallel_rank: int = 0,
         *,
         int_hashes: bool = True,
+        max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
     ) -> None:
         self.endpoint = offset_endpoint_for_rank(endpoint, data_parallel_rank)
         self.replay_endpoint = (
             None if replay_endpoint is None else offset_endpoint_for_rank(replay_endpoint, data_parallel_rank)
         )
+        # Checked after the rank offset: a port pushed past 65535 is as bad as a typo.
+        check_endpoint("events.endpoint", self.endpoint)
+        if self.replay_endpoint is not None:
+            check_endpoint("events.replay_endpoint", self.replay_endpoint)
         self.buffer_steps = buffer_steps
         self.hwm = hwm
         self.max_queue_size = max_queue_size
+        self.max_queue_bytes = max_queue_bytes
         self.topic = topic
         self.data_parallel_rank = data_parallel_rank
         #: Not used on the wire by the publisher; read by the engine to build its EventTranslator.
@@ -400,15 +425,17 @@ class ZmqEventPublisher:
         self.last_endpoint: str | None = None
         self.last_replay_endpoint: str | None = None
 
-        self._queue: queue.Queue[tuple[float, list[KVEvent]]] = queue.Queue(maxsize=max_queue_size)
+        # Items are (ts, events, estimated bytes); the bytes are settled when an item leaves.
+        self._queue: queue.Queue[tuple[float, list[KVEvent], int]] = queue.Queue(maxsize=max_queue_size)
         self._stop = threading.Event()
         self._closed = False
         self._finished: anyio.Event | None = None
         self._published = 0
         self._dropped = 0
+        self._queued_bytes = 0
         self._seq = 0
         self._replay_requests = 0
-        self._drop_lock = threading.Lock()  # publish() may be called from several threads
+        self._lock = threading.Lock()  # publish() may be called from several threads
         self._encoder = msgspec.msgpack.Encoder()
 
     def __repr__(self) -> str:
@@ -427,16 +454,25 @@ class ZmqEventPublisher:
         if self._closed:
             self._count_dropped(1)
             return False
-        try:
-            self._queue.put_nowait((time.time() if ts is None else ts, list(events)))
-        except queue.Full:
-            self._count_dropped(1)
-            return False
+        nbytes = estimated_batch_bytes(events)
+        with self._lock:
+            # The queue's only other producer-side user is this lock's holder, so the check and
+            # the put are one step; a batch bigger than the bound still goes into an empty queue.
+            if self._queued_bytes and self._queued_bytes + nbytes > self.max_queue_bytes:
+                self._dropped += 1
+                return False
+            try:
+                self._queue.put_nowait((time.time() if ts is None else ts, list(events), nbytes))
+            except queue.Full:
+                self._dropped += 1
+                return False
+            self._queued_bytes += nbytes
         return True
 
     def statistics(self) -> PublisherStatistics:
         return PublisherStatistics(
             queue_depth=self._queue.qsize(),
+            queue_bytes=self._queued_bytes,
             published_batches=self._published,
             dropped_batches=self._dropped,
             sequence=self._seq,
@@ -444,13 +480,27 @@ class ZmqEventPublisher:
         )
 
     def _count_dropped(self, n: int) -> None:
-        with self._drop_lock:
+        with self._lock:
             self._dropped += n
+
+    def _take(self, timeout: float | None = None) -> tuple[float, list[KVEvent]] | None:
+        """The next queued batch (waiting up to ``timeout``; ``None``: do not wait), or ``None``."""
+        try:
+            ts, events, nbytes = self._queue.get(timeout=timeout) if timeout else self._queue.get_nowait()
+        except queue.Empty:
+            return None
+        with self._lock:
+            self._queued_bytes -= nbytes
+        return ts, events
 
     # -- lifecycle ------------------------------------------------------------------------------
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Run the publisher thread until :meth:`aclose` or cancellation; raises if binding fails."""
+        """Run the publisher thread until :meth:`aclose` or cancellation.
+
+        A socket that cannot be bound or connected raises :class:`~kvtier.errors.ConfigError`
+        (unwrapped) before ``task_status.started()``.
+        """
         if self._finished is not None or self._closed:
             raise RuntimeError("a ZmqEventPublisher runs once")
         self._finished = anyio.Event()
@@ -474,6 +524,11 @@ class ZmqEventPublisher:
                 finally:
                     # Cancellation (or aclose) reaches the thread only through this flag.
                     self._stop.set()
+        except BaseExceptionGroup as group:
+            # The thread's own failure (a socket that cannot bind) is the caller's ConfigError.
+            if len(group.exceptions) == 1 and isinstance(group.exceptions[0], ConfigError):
+                raise group.exceptions[0] from None
+            raise
         finally:
             self._closed = True
             self._finished.set()
@@ -489,12 +544,9 @@ class ZmqEventPublisher:
 
     def _drain_queue_count(self) -> int:
         n = 0
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                return n
+        while self._take() is not None:
             n += 1
+        return n
 
     # -- the publisher thread -------------------------------------------------------------------
 
@@ -507,10 +559,7 @@ class ZmqEventPublisher:
         try:
             pub.setsockopt(zmq.SNDHWM, self.hwm)
             pub.setsockopt(zmq.LINGER, _LINGER_MS)
-            if _binds(self.endpoint):
-                pub.bind(self.endpoint)
-            else:
-                pub.connect(self.endpoint)
+            _attach(pub, "events.endpoint", self.endpoint, bind=_binds(self.endpoint))
             self.last_endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT) or self.endpoint
             if self.replay_endpoint is not None:
                 replay = ctx.socket(zmq.ROUTER)
@@ -518,7 +567,7 @@ class ZmqEventPublisher:
                 # Requests are 8-byte sequence numbers; refuse anything large from the network.
                 replay.setsockopt(zmq.MAXMSGSIZE, _MAX_REPLAY_REQUEST_BYTES)
                 replay.setsockopt(zmq.LINGER, _LINGER_MS)
-                replay.bind(self.replay_endpoint)
+                _attach(replay, "events.replay_endpoint", self.replay_endpoint, bind=True)
                 self.last_replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
             anyio.from_thread.run_sync(ready.set)
             self._serve(pub, replay)
@@ -532,19 +581,15 @@ class ZmqEventPublisher:
         topic = self.topic.encode()
         ring: deque[tuple[int, bytes]] = deque(maxlen=self.buffer_steps)
         while not self._stop.is_set():
-            try:
-                item = self._queue.get(timeout=_STOP_POLL_S)
-            except queue.Empty:
-                item = None
+            item = self._take(timeout=_STOP_POLL_S)
             if item is not None:
                 self._send(pub, topic, ring, item)
             if replay is not None:
                 self._answer_replays(replay, topic, ring)
         deadline = time.monotonic() + _DRAIN_ON_CLOSE_S
         while time.monotonic() < deadline:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
+            item = self._take()
+            if item is None:
                 break
             self._send(pub, topic, ring, item)
         self._count_dropped(self._drain_queue_count())
@@ -580,12 +625,115 @@ class ZmqEventPublisher:
                 logger.warning("KV event replay client too slow; replay truncated")
 
 
+def _attach(socket: Any, key: str, endpoint: str, *, bind: bool) -> None:
+    """Bind or connect ``socket``; a refusal is a ConfigError naming ``key`` (publisher thread)."""
+    import zmq
+
+    try:
+        if bind:
+            socket.bind(endpoint)
+        else:
+            socket.connect(endpoint)
+    except zmq.ZMQError as exc:
+        verb = "bind" if bind else "connect"
+        raise ConfigError(f"{key}: cannot {verb} {endpoint[:200]!r}: {exc}") from None
+
+
+# Estimated memory of a queued batch: a fixed cost per batch and per event (the structs, their
+# lists) plus one per list element (a pointer and, mostly, an int object of its own). Close
+# enough to bound memory; cheap enough for the serving path (two len() per event).
+_BATCH_BYTES = 128
+_EVENT_BYTES = 320
+_ELEMENT_BYTES = 40
+
+
+def estimated_batch_bytes(events: Sequence[KVEvent]) -> int:
+    """Approximate bytes a queued batch of ``events`` keeps alive (what ``max_queue_bytes`` bounds)."""
+    elements = 0
+    for event in events:
+        elements += len(getattr(event, "block_hashes", ())) + len(getattr(event, "token_ids", None) or ())
+    return _BATCH_BYTES + _EVENT_BYTES * len(events) + _ELEMENT_BYTES * elements
+
+
+_HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9_-]{1,63}(?<!-)$")
+_NUMERIC_HOST = re.compile(r"^[0-9.]+$")
+
+
+def check_endpoint(key: str, endpoint: str) -> None:
+    """Raise :class:`ConfigError` naming ``key`` unless ``endpoint`` is a well-formed ZMQ endpoint.
+
+    ``tcp://HOST:PORT`` (HOST ``*``, an IPv4 or ``[IPv6]`` literal, or a host or interface name;
+    PORT 0..65535 or ``*``; an optional ``SOURCE;`` part of the same form), ``ipc://PATH`` or
+    ``inproc://NAME`` (non-empty). Whether the address can be used is found out at bind time.
+    """
+    if not isinstance(endpoint, str):
+        raise ConfigError(f"{key}: expected a str endpoint, got {type(endpoint).__name__}")
+    problem = _endpoint_problem(endpoint)
+    if problem is not None:
+        raise ConfigError(f"{key}: {endpoint[:80]!r} {problem}")
+
+
+def _endpoint_problem(endpoint: str) -> str | None:
+    if len(endpoint) > 1024:
+        return "is longer than 1024 characters"
+    if "\x00" in endpoint:
+        return "contains a NUL character"
+    scheme, sep, rest = endpoint.partition("://")
+    if not sep or scheme not in ("tcp", "ipc", "inproc"):
+        return "is not a tcp://, ipc:// or inproc:// endpoint"
+    if scheme != "tcp":
+        return None if rest else f"has an empty {scheme} address"
+    *source, address = rest.split(";")
+    if len(source) > 1:
+        return "has more than one ';' (tcp://[SOURCE;]HOST:PORT)"
+    if source:  # a connect's source: an interface or address, with or without a port
+        problem = _tcp_address_problem(source[0]) if ":" in source[0] else _host_problem(source[0])
+        if problem is not None:
+            return problem
+    return _tcp_address_problem(address)
+
+
+def _tcp_address_problem(address: str) -> str | None:
+    host, colon, port = address.rpartition(":")
+    if not colon or not host:
+        return "is not tcp://HOST:PORT"
+    if port != "*" and not (port.isascii() and port.isdigit() and int(port) <= 65535):
+        return f"has port {port!r}; expected 0..65535 or '*'"
+    return _host_problem(host)
+
+
+def _host_problem(host: str) -> str | None:
+    if host == "*":
+        return None
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        if ":" not in host:
+            return f"has {host!r} in brackets, which is not an IPv6 address"
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            return f"has host {host!r}, which is not a valid IPv6 address"
+        return None
+    if _NUMERIC_HOST.match(host):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            return f"has host {host!r}, which is not a valid IPv4 address"
+        return None
+    name = host[:-1] if host.endswith(".") else host
+    if len(name) > 253 or not all(_HOST_LABEL.match(label) for label in name.split(".")):
+        return f"has host {host[:80]!r}, which is not a valid host or interface name"
+    return None
+
+
 _PUBLISHER_KEYS: dict[str, tuple[type, ...]] = {
     "endpoint": (str,),
     "replay_endpoint": (str, type(None)),
     "buffer_steps": (int,),
     "hwm": (int,),
     "max_queue_size": (int,),
+    "max_queue_bytes": (int,),
     "topic": (str,),
     "data_parallel_rank": (int,),
     "int_hashes": (bool,),
@@ -594,17 +742,21 @@ _INT_BOUNDS: dict[str, tuple[int, int]] = {
     "buffer_steps": (1, 10_000_000),
     "hwm": (0, 100_000_000),
     "max_queue_size": (1, 100_000_000),
+    "max_queue_bytes": (1, 1 << 40),
     "data_parallel_rank": (0, 65535),
 }
-_ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
 def publisher_from_config(events_cfg: Mapping[str, Any]) -> ZmqEventPublisher:
     """Validate the ``events`` dictionary of ``kvtier.open`` and build the publisher.
 
-    Keys (all optional): ``endpoint``, ``replay_endpoint``, ``buffer_steps``, ``hwm``,
-    ``max_queue_size``, ``topic``, ``data_parallel_rank``, ``int_hashes``. An unknown key or a bad
-    value raises :class:`~kvtier.errors.ConfigError` naming ``events.<key>``.
+    Keys (all optional, defaults of :class:`ZmqEventPublisher`): ``endpoint`` (``tcp://*:5557``),
+    ``replay_endpoint`` (none), ``buffer_steps`` (10000 batches kept for replay), ``hwm`` (ZMQ send
+    high-water mark, 100000), ``max_queue_size`` (100000 batches) and ``max_queue_bytes``
+    (16 MiB, estimated) bounding the queue in front of the socket thread, ``topic`` (``""``),
+    ``data_parallel_rank`` (0), ``int_hashes`` (true). An unknown key or a bad value — including a
+    malformed endpoint (see :func:`check_endpoint`) — raises :class:`~kvtier.errors.ConfigError`
+    naming ``events.<key>``; an endpoint that cannot be bound does so when the publisher starts.
     """
     if not isinstance(events_cfg, Mapping):
         raise ConfigError(f"events must be a mapping, got {type(events_cfg).__name__}")
@@ -621,8 +773,7 @@ def publisher_from_config(events_cfg: Mapping[str, Any]) -> ZmqEventPublisher:
             if not isinstance(value, int) or not low <= value <= high:
                 raise ConfigError(f"events.{key}: {value} is outside [{low}, {high}]")
         if key in ("endpoint", "replay_endpoint") and isinstance(value, str):
-            if not value.startswith(_ENDPOINT_SCHEMES) or len(value) > 1024:
-                raise ConfigError(f"events.{key}: {value[:80]!r} is not a tcp://, ipc:// or inproc:// endpoint")
+            check_endpoint(f"events.{key}", value)
         if key == "topic" and isinstance(value, str) and len(value.encode()) > 255:
             raise ConfigError("events.topic: longer than 255 bytes")
         kwargs[key] = value

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import threading
+import tracemalloc
 
 import anyio
 import msgpack
@@ -212,10 +213,12 @@ def test_publisher_from_config_applies_every_key() -> None:
         {
             "endpoint": "tcp://*:6000", "replay_endpoint": "tcp://*:6100", "buffer_steps": 5, "hwm": 7,
             "max_queue_size": 9, "topic": "kv", "data_parallel_rank": 2, "int_hashes": False,
+            "max_queue_bytes": 4096,
         }
     )
     assert (pub.endpoint, pub.replay_endpoint) == ("tcp://*:6002", "tcp://*:6102")
     assert (pub.buffer_steps, pub.hwm, pub.max_queue_size, pub.topic) == (5, 7, 9, "kv")
+    assert pub.max_queue_bytes == 4096
     assert pub.data_parallel_rank == 2 and pub.int_hashes is False
 
 
@@ -226,6 +229,12 @@ def test_publisher_from_config_applies_every_key() -> None:
         ({"buffer_steps": 0}, "events.buffer_steps"),
         ({"hwm": True}, "events.hwm"),
         ({"max_queue_size": "10"}, "events.max_queue_size"),
+        ({"max_queue_bytes": "16MiB"}, "events.max_queue_bytes"),
+        ({"max_queue_bytes": 0}, "events.max_queue_bytes"),
+        ({"max_queue_bytes": True}, "events.max_queue_bytes"),
+        ({"endpoint": "tcp://127.0.0.1:99999"}, "events.endpoint"),
+        ({"endpoint": "tcp://300.1.1.1:5557"}, "events.endpoint"),
+        ({"replay_endpoint": "ipc://"}, "events.replay_endpoint"),
         ({"endpoint": "http://x:1"}, "events.endpoint"),
         ({"int_hashes": 1}, "events.int_hashes"),
         ({"data_parallel_rank": -1}, "events.data_parallel_rank"),
@@ -342,6 +351,62 @@ async def test_publisher_frames_decode_with_plain_zmq_and_msgpack_and_replay_fro
     assert stats.sequence == stats.published_batches and stats.dropped_batches == 0
 
 
+def _fresh_stored_batch(i: int, tokens: int = 256) -> list[BlockStored]:
+    """One self-describing BlockStored with ``tokens`` token ids of its own (no shared ints)."""
+    base = 1_000_000 + i * tokens
+    return [BlockStored(block_hashes=[2**63 + i], parent_block_hash=None, token_ids=list(range(base, base + tokens)),
+                        block_size=16, lora_id=None, medium="CPU", lora_name=None)]
+
+
+def test_publisher_queue_is_bounded_by_bytes_and_counts_what_it_drops() -> None:
+    bound = 64 << 10
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*", max_queue_bytes=bound)  # never started: nothing drains
+    accepted = sum(pub.publish(_fresh_stored_batch(i, tokens=64)) for i in range(1000))
+    stats = pub.statistics()
+    assert 0 < accepted < 1000  # far below the 100000-batch count bound
+    assert (stats.queue_depth, stats.dropped_batches) == (accepted, 1000 - accepted)
+    assert 0 < stats.queue_bytes <= bound
+    assert ZmqEventPublisher("tcp://127.0.0.1:*").max_queue_bytes == 16 << 20  # the default
+
+
+def test_a_batch_larger_than_the_byte_bound_is_taken_by_an_empty_queue_only() -> None:
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*", max_queue_bytes=1)
+    assert pub.publish([AllBlocksCleared()])  # an empty queue takes any one batch
+    assert not pub.publish([AllBlocksCleared()])
+    assert (pub.statistics().queue_depth, pub.statistics().dropped_batches) == (1, 1)
+
+
+def test_an_event_flood_without_reader_keeps_queue_memory_near_max_queue_bytes() -> None:
+    """The estimate tracks real memory: 1500 batches of ~10 KiB offered, ~1 MiB kept."""
+    bound = 1 << 20
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*", max_queue_bytes=bound)  # never started: nothing drains
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(1500):
+            pub.publish(_fresh_stored_batch(i))
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    stats = pub.statistics()
+    assert stats.dropped_batches > 1000
+    assert stats.queue_bytes <= bound
+    assert held < 2 * bound  # without the byte bound: ~15 MiB
+
+
+@pytest.mark.anyio
+async def test_queue_bytes_are_released_as_batches_are_sent() -> None:
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*", max_queue_bytes=1 << 20)
+    async with anyio.create_task_group() as tg:
+        await tg.start(pub.run)
+        for i in range(50):
+            pub.publish(_fresh_stored_batch(i, tokens=16))
+        await pub.aclose()
+    stats = pub.statistics()
+    assert stats.published_batches + stats.dropped_batches == 50
+    assert (stats.queue_depth, stats.queue_bytes) == (0, 0)
+
+
 def test_publish_never_blocks_when_the_queue_is_full_and_counts_drops() -> None:
     pub = ZmqEventPublisher("tcp://127.0.0.1:*", max_queue_size=1000)  # never started: nothing drains
     accepted = sum(pub.publish([AllBlocksCleared()]) for _ in range(100_000))
@@ -387,12 +452,22 @@ async def test_cancelling_run_stops_the_publisher_thread() -> None:
 
 
 @pytest.mark.anyio
-async def test_run_raises_when_the_endpoint_cannot_be_bound() -> None:
-    pub = ZmqEventPublisher("tcp://*:not-a-port")
-    with pytest.raises(BaseExceptionGroup) as caught:  # task groups wrap what their tasks raise
-        async with anyio.create_task_group() as tg:
-            await tg.start(pub.run)
-    assert caught.group_contains(zmq.ZMQError)
+async def test_run_raises_a_config_error_when_the_endpoint_cannot_be_bound() -> None:
+    with pytest.raises(ConfigError, match=r"events\.endpoint: 'tcp://\*:not-a-port' has port"):
+        ZmqEventPublisher("tcp://*:not-a-port")  # malformed: refused when built
+    ctx = zmq.Context()
+    taken = ctx.socket(zmq.PUB)
+    try:
+        port = taken.bind_to_random_port("tcp://*")
+        pub = ZmqEventPublisher(f"tcp://*:{port}")
+        with pytest.raises(BaseExceptionGroup) as caught:  # the caller's task group wraps it
+            async with anyio.create_task_group() as tg:
+                await tg.start(pub.run)  # raises from start(), as one ConfigError
+        assert len(caught.value.exceptions) == 1
+        assert caught.group_contains(ConfigError, match=rf"events\.endpoint: cannot bind 'tcp://\*:{port}'")
+    finally:
+        taken.close()
+        ctx.term()
 
 
 # ------------------------------------------------------------------------------ CLI
