@@ -285,6 +285,17 @@ def test_scan_orders_chunks_oldest_first(tmp_path: Path, tree: int) -> None:
     assert [c.key[:-4].hex() for c in result.chunks] == ["aaa111", "ccc333", "bbb222"]
 
 
+def test_scans_listing_the_same_tree_at_once_each_see_every_chunk(tmp_path: Path, tree: int) -> None:
+    for h in ("aaa111", "bbb222", "ccc333"):
+        (tmp_path / h[:3] / f"{h[3:5]}_g0").mkdir(parents=True)
+        (tmp_path / h[:3] / f"{h[3:5]}_g0" / f"{h}.bin").write_bytes(b"x")
+    # Another listing of the same descriptor is under way (a periodic and an explicit rescan):
+    # its directory stream position is shared by every dup of the descriptor.
+    with os.scandir(tree) as other:
+        next(other)
+        assert len(fs_io.scan_tree(tree, tmp_grace_s=None).chunks) == 3
+
+
 def test_scan_removes_links_and_pipes_under_layout_names_without_following_them(tmp_path: Path, tree: int) -> None:
     outside = tmp_path.parent / f"{tmp_path.name}-outside"
     (outside / "de_g0").mkdir(parents=True)

@@ -363,6 +363,19 @@ def scan_tree(dir_fd: int, *, tmp_grace_s: float | None, now: float | None = Non
     """
     now = time.time() if now is None else now
     result = ScanResult()
+    # A descriptor of our own for the listing: a directory stream's position belongs to the open
+    # file, which every dup of ``dir_fd`` shares, so two scans listing it at once would split
+    # (and so lose) its entries between them.
+    own_fd = os.open(".", _DIR_FLAGS, dir_fd=dir_fd)
+    try:
+        _scan_top(own_fd, tmp_grace_s, now, result)
+    finally:
+        os.close(own_fd)
+    result.chunks.sort(key=lambda c: c.mtime)
+    return result
+
+
+def _scan_top(dir_fd: int, tmp_grace_s: float | None, now: float, result: ScanResult) -> None:
     for top in _scandir_fd(dir_fd):
         if _PROBE.fullmatch(top.name):
             _remove_if_stale(top, dir_fd, tmp_grace_s, now, result)
@@ -385,8 +398,6 @@ def scan_tree(dir_fd: int, *, tmp_grace_s: float | None, now: float | None = Non
                     os.close(d2_fd)
         finally:
             os.close(d1_fd)
-    result.chunks.sort(key=lambda c: c.mtime)
-    return result
 
 
 def _scan_leaf(d2_fd: int, prefix: str, tmp_grace_s: float | None, now: float, result: ScanResult) -> None:
