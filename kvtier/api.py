@@ -33,6 +33,7 @@ import logging
 import math
 import socket
 import sys
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -240,6 +241,13 @@ class Engine:
     async def _start(self, tg: anyio.abc.TaskGroup, events: Mapping[str, Any] | None,
                      metrics: Mapping[str, Any] | None) -> None:
         self._tick = anyio.Event()
+        if events is not None:  # validated before any tier opens (a scan, a bucket probe)
+            from kvtier.events import EventTranslator, publisher_from_config
+
+            self.publisher = publisher_from_config(events)
+            self.translator = EventTranslator(
+                self.config.self_describing_kv_events, int_hashes=self.publisher.int_hashes
+            )
         self._build_host()
         if self.device_kv is not None:
             from kvtier.tiers.copy_engine import make_copy_engine
@@ -255,13 +263,7 @@ class Engine:
             tier.set_wakeup(self._wake)
             await tg.start(tier.run)
         self.manager = self.spec.create_manager(self.host, self.tiers)
-        if events is not None:
-            from kvtier.events import EventTranslator, publisher_from_config
-
-            self.publisher = publisher_from_config(events)
-            self.translator = EventTranslator(
-                self.config.self_describing_kv_events, int_hashes=self.publisher.int_hashes
-            )
+        if self.publisher is not None:
             await tg.start(self.publisher.run)
         self._setup_metrics(metrics)
         tg.start_soon(self._drive)
@@ -719,11 +721,11 @@ class Engine:
                     errors.append(exc)
             if self.metrics_server is not None:
                 self.metrics_server.close()
-        if not errors:
-            # Keep the host buffer alive if a tier failed to close: it may still touch it.
-            self.host.close()
-        else:
-            raise errors[0]
+        if errors:
+            raise errors[0]  # the host buffer stays alive: the tier that failed may still touch it
+        host = getattr(self, "host", None)  # absent when start-up failed before building it
+        if host is not None:
+            host.close()
 
 
 @contextlib.asynccontextmanager
@@ -815,7 +817,8 @@ class ThreadedEngine:
         self.engine = engine
         self.manager = engine.manager
         self.chunk_tokens = engine.chunk_tokens
-        self._closed = False
+        self._closed = False  # close() was called: every method but statistics refuses
+        self._loop_gone = False  # close() returned: the engine's loop thread has stopped
 
     def _call(self, method: str, func: Any, *args: Any) -> Any:
         """Run ``func`` on the engine's loop; a closed engine is an EngineClosedError, never a portal error."""
@@ -855,9 +858,16 @@ class ThreadedEngine:
         self._call("drain", self.engine.drain)
 
     def statistics(self) -> dict[str, Any]:
-        if self._closed:  # the loop is gone, so nothing races with the read: the final counts
+        if self._loop_gone:  # nothing runs on the engine any more: the final counts, read here
             return self.engine.statistics()
-        return self._call("statistics", self.engine.statistics)
+        try:
+            return self._portal.call(self.engine.statistics)  # on the loop, even while closing
+        except RuntimeError:
+            if not self._closed:
+                raise
+        while not self._loop_gone:  # the loop stopped under this call; close() is finishing
+            time.sleep(0.001)
+        return self.engine.statistics()
 
     def close(self) -> None:
         """Close the engine and stop its thread. Idempotent.
@@ -872,7 +882,10 @@ class ThreadedEngine:
         try:
             self._engine_cm.__exit__(None, None, None)
         finally:
-            self._portal_cm.__exit__(None, None, None)
+            try:
+                self._portal_cm.__exit__(None, None, None)
+            finally:
+                self._loop_gone = True
 
     def __enter__(self) -> ThreadedEngine:
         return self

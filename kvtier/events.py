@@ -554,9 +554,9 @@ class ZmqEventPublisher:
         import zmq  # imported here so that importing kvtier.events stays cheap
 
         ctx = zmq.Context()
-        pub = ctx.socket(zmq.PUB)
-        replay = None
+        pub = replay = None
         try:
+            pub = ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.SNDHWM, self.hwm)
             pub.setsockopt(zmq.LINGER, _LINGER_MS)
             _attach(pub, "events.endpoint", self.endpoint, bind=_binds(self.endpoint))
@@ -572,9 +572,9 @@ class ZmqEventPublisher:
             anyio.from_thread.run_sync(ready.set)
             self._serve(pub, replay)
         finally:
-            pub.close()
-            if replay is not None:
-                replay.close()
+            for sock in (pub, replay):
+                if sock is not None:
+                    sock.close()
             ctx.term()
 
     def _serve(self, pub: Any, replay: Any) -> None:

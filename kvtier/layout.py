@@ -324,7 +324,9 @@ class Namespace:
     base_dir: str
     blocks_dir: str
     fields: Mapping[str, Any] = field(compare=False, repr=False)
-    #: :func:`run_fingerprint` of ``fields`` (what chunk trailers record).
+    #: What chunk trailers record: SHA-256 of :func:`run_fingerprint` of ``fields`` and of the
+    #: tree's rank, so a chunk of one rank's tree (its shard of the KV heads) never passes as
+    #: another's, and no chunk passes between runs.
     fingerprint: bytes = field(default=b"", compare=False, repr=False)
 
     @property
@@ -402,6 +404,7 @@ def namespace(root: str, fields: Mapping[str, Any], rank: int) -> Namespace:
     digest = fingerprint.hex()[:_DIGEST_CHARS]
     if "parallel_agnostic" not in fields:
         rank = 0
+    tree_fingerprint = hashlib.sha256(fingerprint + rank.to_bytes(8, "big")).digest()
     leaf = f"{model}_{digest}"
     base_dir = f"{root}/{leaf}" if root else leaf
     frozen_fields = json.loads(_canonical_json(fields))  # a private deep copy
@@ -412,5 +415,5 @@ def namespace(root: str, fields: Mapping[str, Any], rank: int) -> Namespace:
         base_dir=base_dir,
         blocks_dir=f"{base_dir}_r{rank}",
         fields=frozen_fields,
-        fingerprint=fingerprint,
+        fingerprint=tree_fingerprint,
     )

@@ -380,3 +380,82 @@ async def test_a_rescan_never_revives_a_chunk_evicted_after_it_listed_the_tree(
         assert key_of(1) not in tier.index and key_of(2) not in tier.index
         assert tier.index.used == sum(f.stat().st_size for f in bin_files(tmp_path)) == 4 * FILE
         assert tier.statistics().evictions == 2  # nothing else evicted to make room for ghosts
+
+
+@pytest.mark.anyio
+async def test_a_chunk_of_another_ranks_tree_is_the_wrong_chunk(tmp_path: Path, host: SlotBuffer) -> None:
+    rank0 = make_tier(tmp_path, host, parallel_agnostic=False, rank=0, rescan_interval_s=3600)
+    rank1 = make_tier(tmp_path, host, parallel_agnostic=False, rank=1, rescan_interval_s=3600)
+    assert rank0.namespace.blocks_dir != rank1.namespace.blocks_dir  # each rank holds its own heads
+    async with running(rank0):
+        assert (await store(rank0, host, [5])).success
+    chunk_path(rank1, 5).parent.mkdir(parents=True)
+    shutil.copyfile(chunk_path(rank0, 5), chunk_path(rank1, 5))
+    async with running(rank1):
+        assert not (await load(rank1, [5])).success
+        assert metric(rank1, "fs_rejected_chunks")[("wrong_chunk",)] == 1
+
+
+@pytest.mark.anyio
+async def test_a_cap_lowered_between_runs_is_enforced_on_disk_at_start_up(tmp_path: Path, host: SlotBuffer) -> None:
+    first = make_tier(tmp_path, host)
+    async with running(first):
+        assert (await store(first, host, range(8))).success
+    tier = make_tier(tmp_path, host, max_bytes=3 * FILE, rescan_interval_s=3600)
+    async with running(tier):
+        assert len(bin_files(tmp_path)) == 3  # the oldest five were deleted, not just forgotten
+        assert tier.index.used == 3 * FILE
+        assert (await store(tier, host, [20, 21])).success
+        assert len(bin_files(tmp_path)) == 3
+
+
+@pytest.mark.anyio
+async def test_close_during_a_long_scan_joins_every_thread_and_closes_the_tree(
+    tmp_path: Path, host: SlotBuffer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = make_tier(tmp_path, host, rescan_interval_s=0.01, n_read_threads=1, n_write_threads=1)
+    async with running(tier):
+        assert (await store(tier, host, range(6))).success  # six shard directories to walk
+        real_open_shard = fs_io._open_shard_dir
+        scanning = threading.Event()
+
+        def slow_shard(*args: Any) -> Any:  # a tree of millions of files: each directory takes a while
+            scanning.set()
+            time.sleep(1.0)  # six of them outlast close_timeout_s (3 s)
+            return real_open_shard(*args)
+
+        monkeypatch.setattr(fs_io, "_open_shard_dir", slow_shard)
+        with anyio.fail_after(10):
+            while not scanning.is_set():
+                await anyio.sleep(0.01)
+        dir_fd = tier._dir_fd
+    # close stopped the scan at its next directory: the pool's threads are joined, the fd closed
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvtier-fs0")]
+    with pytest.raises(OSError):
+        os.fstat(dir_fd)
+
+
+def test_a_directory_under_a_chunks_name_is_not_regular(tmp_path: Path) -> None:
+    (tmp_path / "c.bin").mkdir()
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        dst = memoryview(bytearray(SLOT))
+        assert fs_io.load_chunk(fd, "c.bin", dst, bytes(128), o_direct=False).reason == "not_regular"
+    finally:
+        os.close(fd)
+
+
+def test_the_o_direct_probe_on_a_full_disk_keeps_o_direct(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if not fs_io.probe_o_direct(fd):
+            pytest.skip("this filesystem has no O_DIRECT")
+
+        def full(*args: Any) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(fs_io.os, "pwrite", full)
+        assert fs_io.probe_o_direct(fd) is True
+        assert list(tmp_path.iterdir()) == []  # the probe file is removed either way
+    finally:
+        os.close(fd)

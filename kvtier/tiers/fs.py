@@ -445,19 +445,6 @@ def _remove_all(dir_fd: int, keys: Sequence[bytes]) -> None:
             logger.warning("could not evict %s: %s", relpath, exc)
 
 
-def _open_tree(root_dir: str, ns: Namespace, tmp_grace_s: float | None) -> tuple[int, int]:
-    """Create and open this run's trees under ``root_dir``: ``(block tree descriptor, stale
-    config temporaries removed)``. ``root_dir`` itself may be a link (the operator's choice);
-    nothing below it is followed."""
-    os.makedirs(root_dir, exist_ok=True)
-    root_fd = os.open(root_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
-    try:
-        _, stale = ensure_config_json(root_fd, ns, tmp_grace_s=tmp_grace_s)
-        return fs_beneath.open_dir(root_fd, ns.blocks_leaf, create=True), stale
-    finally:
-        os.close(root_fd)
-
-
 # ------------------------------------------------------------------------------------------------
 # The tier
 # ------------------------------------------------------------------------------------------------
@@ -510,6 +497,7 @@ class FileSystemTier(SecondaryTier):
         self._ready = anyio.Event()
         self._rescan_scope = anyio.CancelScope()
         self._rescan_done = anyio.Event()
+        self._stop_scans = threading.Event()  # set by close: a long scan gives up
         self._rejected = self.add_metric(
             "fs_rejected_chunks", "counter",
             "Chunk files refused on load (and removed, except trailer-less ones), and links or special "
@@ -550,8 +538,7 @@ class FileSystemTier(SecondaryTier):
     async def open(self) -> None:
         self._pool.start()
         try:
-            self._dir_fd, stale = await self._pool.run(IOQueue.WRITE, _open_tree, self.root_dir, self.namespace,
-                                                       self.stale_tmp_grace_s)
+            stale = await self._pool.run(IOQueue.WRITE, self._open_tree)
             if stale:
                 self._stale_tmp.inc(stale)
             self.o_direct = await self._pool.run(IOQueue.WRITE, fs_io.probe_o_direct, self._dir_fd)
@@ -563,6 +550,9 @@ class FileSystemTier(SecondaryTier):
                 logger.warning("tier %s: O_DIRECT is not available under %s; using buffered I/O",
                                self.label, self.namespace.blocks_dir)
             scan = await self._pool.run(IOQueue.READ, self._scan, self.stale_tmp_grace_s)
+            victims = self._apply_scan(scan, time.monotonic())
+            if victims:  # over max_bytes at start-up (a smaller cap, or others' writes)
+                await self._delete_victims([k for k, _ in victims])
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await self._pool.aclose()
@@ -575,16 +565,35 @@ class FileSystemTier(SecondaryTier):
                     f"{self.namespace.root!r}: {exc.strerror or exc}"
                 ) from exc
             raise
-        self._apply_scan(scan, time.monotonic())
         if self.max_bytes is None and _first_unbounded_open(self.namespace.blocks_dir):
             logger.warning("tier %s: no max_bytes set, %s grows without limit (as vLLM's fs tier)",
                            self.label, self.namespace.blocks_dir)
 
     async def close(self) -> None:
+        self._stop_scans.set()  # a scan under way stops at its next directory
         self._rescan_scope.cancel()
-        await self._rescan_done.wait()  # never close the pool under a running rescan
-        await self._pool.aclose()
-        self._close_tree()
+        try:
+            await self._rescan_done.wait()  # never close the pool under a running rescan
+        finally:
+            # Even when close itself is cut short (close_timeout_s): the threads are joined and
+            # the tree's descriptor closed — a scan in progress ends within one directory.
+            with anyio.CancelScope(shield=True):
+                await self._pool.aclose()
+            self._close_tree()
+
+    def _open_tree(self) -> int:
+        """Create and open this run's trees under ``root_dir`` (pool thread); the number of stale
+        ``config.json`` temporaries removed. ``root_dir`` itself may be a link (the operator's
+        choice); nothing below it is followed. The block tree's descriptor is kept on the tier
+        before this returns, so a start-up cancelled meanwhile still closes it."""
+        os.makedirs(self.root_dir, exist_ok=True)
+        root_fd = os.open(self.root_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
+        try:
+            _, stale = ensure_config_json(root_fd, self.namespace, tmp_grace_s=self.stale_tmp_grace_s)
+            self._dir_fd = fs_beneath.open_dir(root_fd, self.namespace.blocks_leaf, create=True)
+            return stale
+        finally:
+            os.close(root_fd)
 
     def _close_tree(self) -> None:
         fd, self._dir_fd = self._dir_fd, -1
@@ -593,7 +602,7 @@ class FileSystemTier(SecondaryTier):
 
     # --- scanning -----------------------------------------------------------------------------
     def _scan(self, tmp_grace_s: float | None) -> ScanResult:
-        return fs_io.scan_tree(self._dir_fd, tmp_grace_s=tmp_grace_s)
+        return fs_io.scan_tree(self._dir_fd, tmp_grace_s=tmp_grace_s, stop=self._stop_scans)
 
     def _apply_scan(self, scan: ScanResult, started: float) -> list[tuple[bytes, float]]:
         dropped = self.index.reconcile(scan, started)
@@ -627,6 +636,8 @@ class FileSystemTier(SecondaryTier):
                     await anyio.sleep(self.rescan_interval_s)
                     try:
                         await self.rescan()
+                    except fs_io.ScanStopped:
+                        return
                     except OSError as exc:
                         logger.warning("tier %s: rescan failed: %s", self.label, exc)
         finally:
@@ -650,7 +661,10 @@ class FileSystemTier(SecondaryTier):
         reservation may have counted too). Only then may the job write: ``max_bytes`` is a cap on
         the disk, not only on the index."""
         if own_victims:
-            await self._delete_victims(own_victims)
+            # Shielded: the victims already left the index, so a deletion withdrawn by a
+            # cancellation would leave their files on disk, uncounted, beyond the cap.
+            with anyio.CancelScope(shield=True):
+                await self._delete_victims(own_victims)
         for deletion in earlier:
             await deletion.wait()
 

@@ -93,7 +93,7 @@ def _openat2_fn() -> _Openat2 | None:
                 libc = ctypes.CDLL(None, use_errno=True)
                 syscall = libc.syscall
                 syscall.restype = ctypes.c_long
-                probe_fd = os.open(".", _DIR_FLAGS & ~_O_NOFOLLOW)
+                probe_fd = os.open("/", _DIR_FLAGS & ~_O_NOFOLLOW)
                 try:
                     how = _OpenHow(_DIR_FLAGS, 0, _RESOLVE)
                     fd = syscall(nr, probe_fd, b".", ctypes.byref(how), ctypes.sizeof(how))
@@ -165,15 +165,22 @@ def _open_beneath(dir_fd: int, relpath: str, flags: int, mode: int = 0o644) -> i
         raise
 
 
-def open_file(dir_fd: int, relpath: str, flags: int, mode: int = 0o644) -> int:
+def open_file(dir_fd: int, relpath: str, flags: int, mode: int = 0o644, *, regular_only: bool = True) -> int:
     """Open the regular file ``relpath`` beneath ``dir_fd``; return its descriptor.
 
     ``flags`` are ``os.open`` flags (``O_NOFOLLOW``, ``O_CLOEXEC`` and ``O_NONBLOCK`` are added).
     Raises :class:`UnsafeEntry` for a symbolic link at any level, a non-directory on the way or
     anything but a regular file at the end (checked with ``fstat`` after opening, which never
     blocks); ``FileNotFoundError`` and other ``OSError`` as ``open`` does.
+
+    ``regular_only=False`` skips that ``fstat`` for a caller whose next step refuses anything
+    else by itself: links and sockets are still refused by the open, and what is left opens
+    without blocking and fails a positioned read (a pipe: ``ESPIPE``, a directory: ``EISDIR``) or
+    yields bytes that cannot pass a trailer check (a device — which only root can create).
     """
     fd = _open_beneath(dir_fd, relpath, flags | _O_NONBLOCK, mode)
+    if not regular_only:
+        return fd
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise UnsafeEntry(relpath, "not a regular file")

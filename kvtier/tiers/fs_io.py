@@ -62,6 +62,7 @@ __all__ = [
     "remove_file",
     "scan_tree",
     "ScanResult",
+    "ScanStopped",
     "ScannedChunk",
     "TMP_SUFFIX",
     "PROBE_PREFIX",
@@ -122,8 +123,10 @@ def probe_o_direct(dir_fd: int) -> bool:
         page = _scratch_page()
         page[:] = bytes(TRAILER_PAGE)
         return os.pwrite(fd, page, 0) == TRAILER_PAGE
-    except OSError:
-        return False
+    except OSError as exc:
+        # A full disk refuses the bytes, not the mode: O_DIRECT is there (an unsupported mode
+        # fails with EINVAL), so a start-up on a full disk does not lose it for the process.
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
     finally:
         os.close(fd)
         _unlink_quietly(name, dir_fd)
@@ -209,7 +212,7 @@ class ReadOutcome:
     trailer_page: bytes | None = None
 
 
-def _open_for_read(dir_fd: int, relpath: str, o_direct: bool) -> int:
+def _open_for_read(dir_fd: int, relpath: str, o_direct: bool, *, regular_only: bool = True) -> int:
     """Open chunk file ``relpath`` for reading: ``O_NOATIME`` where allowed, ``O_DIRECT`` if asked.
 
     ``O_NOATIME``: under ``relatime`` the first read of a freshly written file updates its
@@ -217,12 +220,13 @@ def _open_for_read(dir_fd: int, relpath: str, o_direct: bool) -> int:
     kvtier's recency never uses atime. The kernel refuses it (``EPERM``) on files the process
     does not own (a ``root_dir`` shared between users): those open without it. ``O_DIRECT`` is
     dropped (``EINVAL``) for a file on a filesystem without it (a mount below ``root_dir``).
-    Raises :class:`UnsafeEntry` for anything but a regular file reached without links.
+    Raises :class:`UnsafeEntry` for anything but a regular file reached without links (see
+    :func:`~kvtier.tiers.fs_beneath.open_file` for ``regular_only``).
     """
     flags = os.O_RDONLY | _O_NOATIME | (_O_DIRECT if o_direct else 0)
     while True:
         try:
-            return fs_beneath.open_file(dir_fd, relpath, flags)
+            return fs_beneath.open_file(dir_fd, relpath, flags, regular_only=regular_only)
         except UnsafeEntry:
             raise
         except OSError as exc:
@@ -284,13 +288,18 @@ def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes
     this thread's scratch page, before anything on this thread can reuse it (no copy).
     """
     try:
-        fd = _open_for_read(dir_fd, relpath, o_direct)
+        # No fstat (a system call per chunk): what is not a regular file fails the read below.
+        fd = _open_for_read(dir_fd, relpath, o_direct, regular_only=False)
     except UnsafeEntry:
         return rejected("not_regular")
     try:
         # Both buffers are page aligned with page-multiple lengths, so O_DIRECT accepts them
         # (it may still return a count that is not a page multiple at end of file).
         n = os.preadv(fd, [dst, _scratch_pages()], 0)
+    except OSError as exc:
+        if exc.errno in (errno.ESPIPE, errno.EISDIR):  # a pipe or a directory under a chunk's name
+            return rejected("not_regular")
+        raise
     finally:
         os.close(fd)
     slot_bytes = len(dst)
@@ -349,7 +358,12 @@ class ScanResult:
     removed_unsafe: int = 0
 
 
-def scan_tree(dir_fd: int, *, tmp_grace_s: float | None, now: float | None = None) -> ScanResult:
+class ScanStopped(Exception):
+    """A scan gave up because its ``stop`` event was set (the tier is closing)."""
+
+
+def scan_tree(dir_fd: int, *, tmp_grace_s: float | None, now: float | None = None,
+              stop: threading.Event | None = None) -> ScanResult:
     """Walk ``<hhh>/<hh>_g<group>/<hash>.bin`` beneath block-tree descriptor ``dir_fd`` and list
     the regular chunk files found.
 
@@ -359,7 +373,8 @@ def scan_tree(dir_fd: int, *, tmp_grace_s: float | None, now: float | None = Non
     long before that — ``None`` keeps them all. Symbolic links and special files bearing a
     layout name (shard directory or chunk) are removed, never followed: the walk opens every
     directory ``O_NOFOLLOW`` beneath its parent's descriptor, so it never leaves the tree. Entries
-    vanishing mid-scan (other processes) are skipped.
+    vanishing mid-scan (other processes) are skipped. When ``stop`` is set the scan raises
+    :class:`ScanStopped` at the next shard directory (a tree of millions of files takes a while).
     """
     now = time.time() if now is None else now
     result = ScanResult()
@@ -368,15 +383,18 @@ def scan_tree(dir_fd: int, *, tmp_grace_s: float | None, now: float | None = Non
     # (and so lose) its entries between them.
     own_fd = os.open(".", _DIR_FLAGS, dir_fd=dir_fd)
     try:
-        _scan_top(own_fd, tmp_grace_s, now, result)
+        _scan_top(own_fd, tmp_grace_s, now, result, stop)
     finally:
         os.close(own_fd)
     result.chunks.sort(key=lambda c: c.mtime)
     return result
 
 
-def _scan_top(dir_fd: int, tmp_grace_s: float | None, now: float, result: ScanResult) -> None:
+def _scan_top(dir_fd: int, tmp_grace_s: float | None, now: float, result: ScanResult,
+              stop: threading.Event | None) -> None:
     for top in _scandir_fd(dir_fd):
+        if stop is not None and stop.is_set():
+            raise ScanStopped("scan stopped")
         if _PROBE.fullmatch(top.name):
             _remove_if_stale(top, dir_fd, tmp_grace_s, now, result)
             continue

@@ -5,8 +5,9 @@ On-disk (or in-object) format of one chunk, format version 2::
     offset 0                      payload: exactly the host slot's bytes (``slot_bytes``, 4096-aligned)
     offset slot_bytes             trailer page: TRAILER_PAGE (4096) bytes, zero except its last 160
     offset slot_bytes + 3936      identity: IDENTITY_SIZE (128) bytes, struct ``<32sH64s30x``:
-                                      run        32 bytes: SHA-256 of the run fields
-                                                 (:func:`kvtier.layout.run_fingerprint`)
+                                      run        32 bytes: the fingerprint of the run and rank
+                                                 whose tree holds the chunk
+                                                 (:attr:`kvtier.layout.Namespace.fingerprint`)
                                       key_len    u16  length of the chunk's offload key (≤ 64)
                                       key        64 bytes: the offload key, zero padded
                                       reserved   30 zero bytes
@@ -20,9 +21,9 @@ On-disk (or in-object) format of one chunk, format version 2::
     total file size = slot_bytes + TRAILER_PAGE
 
 The tail sits at the same place in every version, so a reader always learns the version first.
-The identity binds the bytes to one chunk of one run: a valid chunk file renamed or copied over
-another chunk's name, or moved between runs, fails with ``wrong_chunk`` although its checksum
-holds. Version-1 files (kvtier 0.1, no identity) are rejected with ``old_version`` — they cannot
+The identity binds the bytes to one chunk of one run (and rank, where ranks keep separate trees): a
+valid chunk file renamed or copied over another chunk's name, or moved between runs or ranks,
+fails with ``wrong_chunk`` although its checksum holds. Version-1 files (kvtier 0.1, no identity) are rejected with ``old_version`` — they cannot
 prove which chunk they are — and so are removed and recomputed, once, as any miss is.
 
 Why a whole trailer page: an ``O_DIRECT`` writer may only write page-aligned lengths, and one
