@@ -75,7 +75,8 @@ class _OpenHow(ctypes.Structure):
 _Openat2 = tuple[Any, int]  # (libc.syscall, the syscall number)
 _openat2_state: dict[str, _Openat2 | None] = {}
 _openat2_lock = threading.Lock()
-_hows: dict[tuple[int, int], Any] = {}  # (flags, mode) -> ctypes.byref(_OpenHow), built once
+_hows: dict[Any, Any] = {}  # flags, or (flags, mode) with O_CREAT -> ctypes.byref(_OpenHow), built once
+_UNPROBED: Any = object()
 
 
 def _openat2_fn() -> _Openat2 | None:
@@ -114,13 +115,13 @@ def has_openat2() -> bool:
 
 
 def _openat2(fn: _Openat2, dir_fd: int, relpath: str, flags: int, mode: int) -> int:
-    syscall, nr = fn
-    if not flags & os.O_CREAT:
-        mode = 0  # openat2 refuses a mode without O_CREAT
-    how = _hows.get((flags, mode))
+    # The load path's hot spot (a page-cache chunk read takes ~35 µs; this adds ~0.5 µs to the
+    # system call itself): one dict lookup for the prebuilt struct, ASCII paths encoded directly.
+    key = (flags, mode) if flags & os.O_CREAT else flags  # openat2 refuses a mode without O_CREAT
+    how = _hows.get(key)
     if how is None:
-        how = _hows[(flags, mode)] = ctypes.byref(_OpenHow(flags, mode, _RESOLVE))
-    fd = syscall(nr, dir_fd, os.fsencode(relpath), how, 24)
+        how = _hows[key] = ctypes.byref(_OpenHow(flags, mode if flags & os.O_CREAT else 0, _RESOLVE))
+    fd = fn[0](fn[1], dir_fd, relpath.encode(), how, 24)
     if fd < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), relpath)
@@ -154,10 +155,12 @@ def _walk_open(dir_fd: int, relpath: str, flags: int, mode: int) -> int:
 
 def _open_beneath(dir_fd: int, relpath: str, flags: int, mode: int = 0o644) -> int:
     flags |= _O_NOFOLLOW | _O_CLOEXEC
-    fn = _openat2_fn()
+    fn = _openat2_state.get("fn", _UNPROBED)
+    if fn is _UNPROBED:
+        fn = _openat2_fn()
     try:
         if fn is not None:
-            return _openat2(fn, dir_fd, relpath, flags, mode)
+            return _openat2(fn, dir_fd, relpath, flags, mode)  # type: ignore[arg-type]
         return _walk_open(dir_fd, relpath, flags, mode)
     except OSError as exc:
         if exc.errno in _UNSAFE_ERRNOS:
