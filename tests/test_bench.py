@@ -11,13 +11,18 @@ import torch
 
 from kvtier.bench.cli import run_bench_cli
 from kvtier.bench.model import DeviceBlockPool, ModelConfig, PoolExhausted, TinyDecoder
+from kvtier.bench.report import format_table
 from kvtier.bench.runner import (
     FRESH_DIR,
     BenchPlan,
     LogitsMismatch,
     ReferenceLogits,
+    RunResult,
     Strategy,
+    aggregate_runs,
     builtin_strategies,
+    capacity_markers,
+    capacity_tokens,
     default_capacities,
     run_one,
 )
@@ -206,6 +211,9 @@ async def test_wrong_kv_from_a_cache_fails_the_logits_check(
 def test_bad_arguments_exit_with_status_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert run_bench_cli(["--conversations", "0"]) == 2
     assert run_bench_cli(["--strategies", "gpu-magic"]) == 2
+    assert run_bench_cli(["--repeats", "0"]) == 2
+    assert run_bench_cli(["--repeats", "-1"]) == 2
+    assert run_bench_cli(["--repeats", "two"]) == 2
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     assert run_bench_cli(["--config", str(bad)]) == 2
@@ -253,3 +261,106 @@ def test_quick_bench_reports_the_scaling_shape_without_timing_assertions(tmp_pat
         assert (fs_tokens > 0) == (n > host_tokens), (n, fs_tokens)
     # The cpu strategy never touches a disk.
     assert all("1:fs" not in rows[("cpu", n)]["tokens_by_tier"] for n in sweep)
+
+
+# --- capacity markers and repeats ---------------------------------------------------------------
+def test_capacity_markers_sit_where_the_working_set_first_exceeds_each_tier() -> None:
+    spec = WorkloadSpec(system_tokens=32, first_prompt_tokens=64, turn_tokens=16, rounds=2)
+    sweep = (1, 2, 3, 4, 6, 8)
+    blocks, host = default_capacities(SMALL, spec, 1.5, 4)
+    device_tokens, host_tokens = capacity_tokens(SMALL, blocks, host)
+    assert device_tokens == blocks * SMALL.block_size
+    assert host_tokens >= spec.working_set_tokens(4)
+    markers = {m["tier"]: m for m in capacity_markers(spec, sweep, device_tokens, host_tokens)}
+    assert set(markers) == {"device", "host"}
+    assert markers["device"]["label"] == "device full" and markers["host"]["label"] == "host full"
+    private = spec.prompt_tokens(spec.rounds) - spec.system_tokens
+    for tier, tokens, expected in (("device", device_tokens, 2), ("host", host_tokens, 6)):
+        marker = markers[tier]
+        assert marker["capacity_tokens"] == tokens
+        # the fractional count whose working set is exactly the capacity ...
+        assert spec.system_tokens + marker["conversations"] * private == pytest.approx(tokens)
+        # ... and the first count of the sweep beyond it
+        assert marker["first_exceeding"] == expected
+        assert spec.working_set_tokens(expected) > tokens
+        assert all(spec.working_set_tokens(n) <= tokens for n in sweep if n < expected)
+    beyond = capacity_markers(spec, (1, 2), device_tokens, host_tokens)
+    assert [m["first_exceeding"] for m in beyond] == [2, None]
+
+
+def _run(strategy: str, conversations: int, throughput: float, ttft: float) -> RunResult:
+    return RunResult(strategy=strategy, conversations=conversations, requests=4, prompt_tokens=1000,
+                     computed_tokens=100, elapsed_s=1000 / throughput, throughput_tokens_per_s=throughput,
+                     ttft_p50_s=ttft, ttft_p90_s=2 * ttft, ttft_mean_s=ttft, tokens_by_tier={"device": 900,
+                     "recompute": 100}, hit_rate=0.9, working_set_tokens=500, checked_requests=4,
+                     max_logit_error=1e-6 * throughput)
+
+
+def test_repeated_runs_report_median_and_spread() -> None:
+    runs = [_run("cpu", 4, 11_300.0, 0.052), _run("cpu", 4, 10_100.0, 0.045), _run("cpu", 4, 10_920.0, 0.048)]
+    row = aggregate_runs(runs)
+    assert row.repeats == 3
+    assert row.throughput_tokens_per_s == 10_920.0 and row.ttft_p50_s == 0.048
+    assert row.max_logit_error == max(r.max_logit_error for r in runs)
+    doc = row.as_dict()
+    assert doc["throughput_tokens_per_s_runs"] == [11_300.0, 10_100.0, 10_920.0]
+    assert (doc["throughput_tokens_per_s_min"], doc["throughput_tokens_per_s_max"]) == (10_100.0, 11_300.0)
+    assert [r["throughput_tokens_per_s"] for r in doc["runs"]] == doc["throughput_tokens_per_s_runs"]
+    table = format_table([row, aggregate_runs([_run("cpu", 8, 9_000.0, 0.05)])])
+    assert "10,920 (10,100\u201311,300)" in table and "48 (45\u201352) ms" in table
+    single = [line for line in table.splitlines() if line.startswith("cpu") and " 8 " in line]
+    assert len(single) == 1 and "9,000" in single[0] and "(" not in single[0]  # one run: no range
+    assert aggregate_runs(runs[:2]).throughput_tokens_per_s == (11_300.0 + 10_100.0) / 2
+
+
+def _tiny_bench(tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / "r.json"
+    argv = ["--quick", "--system-tokens", "64", "--prompt-tokens", "128", "--turn-tokens", "64",
+            "--rounds", "1", "--strategies", "recompute,cpu", "--device-conversations", "1.5",
+            "--host-conversations", "3", "--output", str(out), "--no-progress", *extra]
+    assert run_bench_cli(argv) == 0
+    return json.loads(out.read_text())
+
+
+def test_bench_json_records_the_capacity_markers(tmp_path: Path) -> None:
+    doc = _tiny_bench(tmp_path, "--conversations", "1,2,4")
+    assert (tmp_path / "r.png").stat().st_size > 0
+    w, cap = doc["workload"], doc["capacities"]
+    private = w["first_prompt_tokens"] + w["rounds"] * w["turn_tokens"]  # each conversation's own tokens
+
+    def ws(n: int) -> int:
+        return w["system_tokens"] + n * private
+
+    markers = {m["tier"]: m for m in doc["markers"]}
+    for tier, tokens in (("device", cap["device_tokens"]), ("host", cap["host_tokens"])):
+        assert markers[tier]["capacity_tokens"] == tokens
+        beyond = [n for n in w["conversations"] if ws(n) > tokens]
+        assert markers[tier]["first_exceeding"] == (min(beyond) if beyond else None)
+        assert w["system_tokens"] + markers[tier]["conversations"] * private == pytest.approx(tokens)
+    # With these sizes the device runs out between 1 and 2 conversations, the host between 2 and 4.
+    assert markers["device"]["first_exceeding"] == 2 and markers["host"]["first_exceeding"] == 4
+    assert cap["device_conversations"] <= markers["device"]["conversations"] < 2
+    assert cap["host_conversations"] <= markers["host"]["conversations"] < 4
+
+
+def test_repeats_run_every_point_that_many_times(tmp_path: Path) -> None:
+    doc = _tiny_bench(tmp_path, "--conversations", "1,2", "--repeats", "2")
+    assert doc["repeats"] == 2
+    assert [(r["strategy"], r["conversations"]) for r in doc["results"]] == [
+        ("recompute", 1), ("recompute", 2), ("cpu", 1), ("cpu", 2)]
+    for row in doc["results"]:
+        assert row["repeats"] == 2 and len(row["runs"]) == 2
+        for name in ("throughput_tokens_per_s", "ttft_p50_s", "ttft_p90_s"):
+            values = row[f"{name}_runs"]
+            assert values == [run[name] for run in row["runs"]] and len(values) == 2
+            assert row[name] == pytest.approx(sum(values) / 2)
+            assert (row[f"{name}_min"], row[f"{name}_max"]) == (min(values), max(values))
+            assert row[f"{name}_min"] <= row[name] <= row[f"{name}_max"]
+        for run in row["runs"]:
+            assert run["throughput_tokens_per_s"] > 0
+            assert sum(run["tokens_by_tier"].values()) == row["prompt_tokens"]
+            assert run["checked_requests"] == row["checked_requests"] == row["requests"]
+        assert row["tokens_by_tier"] == row["runs"][0]["tokens_by_tier"]
+    check = doc["logits_check"]
+    assert check["passed"] and check["checked_requests"] == check["requests"] == 2 * sum(
+        r["requests"] for r in doc["results"])

@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chart", help="PNG chart (default: next to --output, same name .png)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default %(default)s)")
     p.add_argument("--threads", type=_positive_int, help="torch threads (default: all CPUs)")
+    p.add_argument("--repeats", type=_positive_int, default=1,
+                   help="cold runs of every (strategy, conversations) point; the table, JSON and chart "
+                   "report the median and the min-max spread (default %(default)s)")
     p.add_argument("--check", choices=("all", "sample", "none"),
                    help="logits check against a full recompute (default: all with --quick, else sample)")
     p.add_argument("--seed", type=int, default=0)
@@ -167,6 +170,7 @@ def _make_plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         check=args.check or preset["check"],
         fs_root=args.fs_root,
         device=device,
+        repeats=args.repeats,
     )
     describe = {
         "workload": (
@@ -185,6 +189,7 @@ def _make_plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
             "sample": "requests of conversations 0 and 1 of every run compared with a full recompute",
             "none": "disabled",
         }[plan.check],
+        "repeats": plan.repeats,
     }
     return plan, describe
 
@@ -219,7 +224,7 @@ def _run(args: argparse.Namespace, plan: Any, describe: dict[str, Any], out: Tex
     from kvtier.bench.report import (
         Progress, describe_machine, describe_model, format_table, header_lines, write_chart, write_json,
     )
-    from kvtier.bench.runner import LogitsMismatch, run_plan
+    from kvtier.bench.runner import LogitsMismatch, capacity_markers, capacity_tokens, run_plan
 
     threads = args.threads or os.cpu_count() or 1
     previous_threads = torch.get_num_threads()
@@ -258,14 +263,16 @@ def _run(args: argparse.Namespace, plan: Any, describe: dict[str, Any], out: Tex
     progress.close()
     total_s = time.perf_counter() - started
     print(format_table(results), file=out)
-    checked = sum(r.checked_requests for r in results)
-    requests = sum(r.requests for r in results)
+    checked = sum(r.checked_requests * r.repeats for r in results)
+    requests = sum(r.requests * r.repeats for r in results)
     max_error = max((r.max_logit_error for r in results), default=0.0)
     print(f"logits check: {checked} of {requests} requests match a full recompute "
           f"(max |error| {max_error:.2g}); total {total_s:.1f}s", file=out)
     summary = _summary(results, plan.conversations)
     for line in summary["lines"]:
         print(line, file=out)
+    device_tokens, host_tokens = capacity_tokens(plan.model, plan.device_blocks, plan.host_bytes)
+    markers = capacity_markers(workload, plan.conversations, device_tokens, host_tokens)
     document = {
         "kvtier_version": kvtier.__version__,
         "machine": machine,
@@ -277,6 +284,7 @@ def _run(args: argparse.Namespace, plan: Any, describe: dict[str, Any], out: Tex
             "device_tokens": describe["device_tokens"],
             "device_conversations": describe["device_conversations"],
             "host_bytes": plan.host_bytes,
+            "host_tokens": host_tokens,
             "host_conversations": describe["host_conversations"],
             "fs_root": describe["fs_root"],
         },
@@ -284,6 +292,8 @@ def _run(args: argparse.Namespace, plan: Any, describe: dict[str, Any], out: Tex
         "logits_check": {"mode": plan.check, "description": describe["check"], "checked_requests": checked,
                          "requests": requests, "max_abs_error": max_error, "passed": True},
         "summary": {k: v for k, v in summary.items() if k != "lines"},
+        "repeats": plan.repeats,
+        "markers": markers,
         "total_seconds": total_s,
         "results": [r.as_dict() for r in results],
     }
@@ -292,7 +302,7 @@ def _run(args: argparse.Namespace, plan: Any, describe: dict[str, Any], out: Tex
     chart = args.chart or str(Path(args.output).with_suffix(".png"))
     title = (f"kvtier bench{' --quick' if args.quick else ''}: {plan.model.num_layers}-layer toy decoder, "
              f"{workload.rounds + 1} turns per conversation")
-    skipped = write_chart(chart, results, title)
+    skipped = write_chart(chart, results, title, markers=markers)
     print(skipped or f"chart: {chart}", file=out)
     return 0
 

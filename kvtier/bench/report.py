@@ -116,11 +116,21 @@ def header_lines(model_info: Mapping[str, Any], machine: Mapping[str, Any], plan
         f"host {plan_info['host_bytes'] / 2**20:.1f} MiB (~{plan_info['host_conversations']} conversations), "
         f"fs unbounded ({plan_info['fs_root']})",
         f"logits check: {plan_info['check']}",
-    ]
+    ] + ([
+        f"repeats: {plan_info['repeats']} cold runs of every point, interleaved; tok/s and TTFT are "
+        f"medians, (min-max) in brackets; every run is logits-checked, token counts are the first run's"
+    ] if plan_info.get("repeats", 1) > 1 else [])
+
+
+def _with_range(value: str, low: str, high: str, repeats: int) -> str:
+    return f"{value} ({low}\u2013{high})" if repeats > 1 else value
 
 
 def format_table(results: Sequence[RunResult]) -> str:
-    """One row per run: throughput, TTFT p50/p90, tokens from each tier, hit rate."""
+    """One row per point: throughput, TTFT p50/p90, tokens from each tier, hit rate.
+
+    A row of several runs shows median throughput and TTFT p50 with their (min-max) spread.
+    """
     tiers: list[str] = [DEVICE_LABEL]
     for r in results:
         for label in sorted(r.tokens_by_tier):
@@ -135,8 +145,8 @@ def format_table(results: Sequence[RunResult]) -> str:
                 r.strategy,
                 str(r.conversations),
                 str(r.working_set_tokens),
-                f"{r.throughput_tokens_per_s:,.0f}",
-                f"{r.ttft_p50_s * 1000:.0f} ms",
+                _with_range(*_spread(r, "throughput_tokens_per_s", lambda v: f"{v:,.0f}"), r.repeats),
+                _with_range(*_spread(r, "ttft_p50_s", lambda v: f"{v * 1000:.0f}"), r.repeats) + " ms",
                 f"{r.ttft_p90_s * 1000:.0f} ms",
                 *[str(r.tokens_by_tier.get(t, 0)) for t in tiers],
                 f"{r.hit_rate:.0%}",
@@ -152,6 +162,12 @@ def format_table(results: Sequence[RunResult]) -> str:
     return "\n".join(lines)
 
 
+def _spread(r: RunResult, name: str, fmt: Any) -> tuple[str, str, str]:
+    value = getattr(r, name)
+    spread = r.spread.get(name, {"min": value, "max": value})
+    return fmt(value), fmt(spread["min"]), fmt(spread["max"])
+
+
 def write_json(path: str, document: Mapping[str, Any]) -> None:
     """Write ``document`` atomically (a reader never sees half a file)."""
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -161,10 +177,15 @@ def write_json(path: str, document: Mapping[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def write_chart(path: str, results: Sequence[RunResult], title: str) -> str | None:
+def write_chart(
+    path: str, results: Sequence[RunResult], title: str, markers: Sequence[Mapping[str, Any]] = ()
+) -> str | None:
     """Throughput vs conversations, one line per strategy (PNG, Agg backend).
 
-    Returns ``None`` on success, or the reason the chart was skipped (matplotlib missing).
+    Rows of several runs draw the median with a shaded min-max band. Each of ``markers`` (see
+    ``runner.capacity_markers``) whose position lies within the sweep is a dashed vertical line
+    labelled with its ``label``. Returns ``None`` on success, or the reason the chart was skipped
+    (matplotlib missing).
     """
     try:
         import matplotlib
@@ -173,16 +194,37 @@ def write_chart(path: str, results: Sequence[RunResult], title: str) -> str | No
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (pip install 'kvtier[bench]'); chart skipped"
-    series: dict[str, list[tuple[int, float]]] = {}
+    series: dict[str, list[tuple[int, float, float, float]]] = {}
     for r in results:
-        series.setdefault(r.strategy, []).append((r.conversations, r.throughput_tokens_per_s))
+        spread = r.spread.get("throughput_tokens_per_s", {})
+        value = r.throughput_tokens_per_s
+        series.setdefault(r.strategy, []).append(
+            (r.conversations, value, spread.get("min", value), spread.get("max", value))
+        )
+    repeats = max((r.repeats for r in results), default=1)
+    sweep = sorted({r.conversations for r in results})
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
     try:
         for name, points in series.items():
             points.sort()
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+            xs = [p[0] for p in points]
+            (line,) = ax.plot(xs, [p[1] for p in points], marker="o", label=name, zorder=3)
+            if repeats > 1:
+                ax.fill_between(xs, [p[2] for p in points], [p[3] for p in points],
+                                color=line.get_color(), alpha=0.2, linewidth=0, zorder=2)
+        if sweep:
+            for marker in markers:
+                x = float(marker["conversations"])
+                if not sweep[0] <= x <= sweep[-1]:
+                    continue
+                ax.axvline(x, color="0.35", linestyle="--", linewidth=1, zorder=1)
+                ax.text(x, 0.03, f" {marker['label']}", transform=ax.get_xaxis_transform(), rotation=90,
+                        ha="right", va="bottom", fontsize=8, color="0.3")
+            ax.set_xticks(sweep)
         ax.set_xlabel("concurrent conversations")
         ax.set_ylabel("prefill throughput (prompt tokens/s)")
+        if repeats > 1:
+            title += f"\nmedian of {repeats} runs per point, shaded: min\u2013max"
         ax.set_title(title, fontsize=10)
         ax.set_ylim(bottom=0)
         ax.grid(True, alpha=0.3)

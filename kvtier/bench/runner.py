@@ -17,6 +17,10 @@ tokens over the sum of its requests' service times. The strategies of one sweep 
 lockstep (see ``run_point``) so that load from elsewhere on the machine hits them alike.
 Reference recomputes for the logits check run after the engines are closed, so no strategy's
 background I/O overlaps untimed work.
+
+With ``BenchPlan.repeats`` > 1 the whole sweep runs that many times (repeat-major, the strategy
+order rotated per repeat), every run is logits-checked, and each (strategy, conversations) row
+reports the median of its runs with their min and max (``aggregate_runs``).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import math
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -45,6 +50,9 @@ __all__ = [
     "ReferenceLogits",
     "builtin_strategies",
     "default_capacities",
+    "capacity_tokens",
+    "capacity_markers",
+    "aggregate_runs",
     "run_plan",
     "DEVICE_LABEL",
     "RECOMPUTE_LABEL",
@@ -114,11 +122,16 @@ class BenchPlan:
     check: str = "all"  # "all" | "sample" (conversations 0 and 1 of every run) | "none"
     fs_root: str | None = None
     device: str = "cpu"
+    repeats: int = 1  # cold runs of every (strategy, conversations) point; rows report the median
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
 
     @property
     def total_requests(self) -> int:
         per_strategy = sum(self.conversations) * self.workload.requests_per_conversation
-        return per_strategy * len(self.strategies)
+        return per_strategy * len(self.strategies) * self.repeats
 
 
 def default_capacities(
@@ -137,6 +150,38 @@ def default_capacities(
     host_chunks = math.ceil(_ws(workload, host_conversations) / bs)
     slot: int = geometry_for(model).slot_bytes(1)
     return device_blocks, host_chunks * slot
+
+
+def capacity_tokens(model: ModelConfig, device_blocks: int, host_bytes: int) -> tuple[int, int]:
+    """``(device_tokens, host_tokens)``: tokens of KV the device pool and the host tier hold.
+
+    The host tier holds whole chunk slots (one block per chunk), as ``default_capacities`` sizes it.
+    """
+    slot: int = geometry_for(model).slot_bytes(1)
+    return device_blocks * model.block_size, host_bytes // slot * model.block_size
+
+
+def capacity_markers(
+    workload: WorkloadSpec, conversations: Sequence[int], device_tokens: int, host_tokens: int
+) -> list[dict[str, Any]]:
+    """Where the device and the host tier run out, in conversations (the chart's dashed lines).
+
+    For each tier: ``conversations`` is the (fractional) count whose working set equals the
+    tier's capacity, ``first_exceeding`` the smallest count of the sweep whose working set
+    exceeds it (``None`` if none does).
+    """
+    private = workload.prompt_tokens(workload.rounds) - workload.system_tokens
+    markers = []
+    for tier, label, tokens in (("device", "device full", device_tokens), ("host", "host full", host_tokens)):
+        over = [n for n in sorted(conversations) if workload.working_set_tokens(n) > tokens]
+        markers.append({
+            "tier": tier,
+            "label": label,
+            "capacity_tokens": tokens,
+            "conversations": max(0.0, (tokens - workload.system_tokens) / private),
+            "first_exceeding": over[0] if over else None,
+        })
+    return markers
 
 
 def _ws(workload: WorkloadSpec, conversations: float) -> float:
@@ -172,9 +217,50 @@ class RunResult:
     checked_requests: int
     max_logit_error: float
     engine_stats: dict[str, Any] = field(default_factory=dict)
+    #: Cold runs behind this row. With more than one, the throughput, TTFT and ``elapsed_s``
+    #: fields above are medians, ``spread`` holds each one's per-run values, min and max, and
+    #: ``runs`` every run's own numbers (token accounting and engine statistics above are the
+    #: first run's).
+    repeats: int = 1
+    spread: dict[str, dict[str, Any]] = field(default_factory=dict)
+    runs: list[dict[str, Any]] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        out = {k: v for k, v in self.__dict__.items() if k not in ("spread", "runs")}
+        for name, values in self.spread.items():
+            out[f"{name}_runs"] = list(values["runs"])
+            out[f"{name}_min"] = values["min"]
+            out[f"{name}_max"] = values["max"]
+        out["runs"] = list(self.runs)
+        return out
+
+
+#: Fields of ``RunResult`` that ``aggregate_runs`` reports as median, per-run values, min and max.
+SPREAD_FIELDS = ("throughput_tokens_per_s", "ttft_p50_s", "ttft_p90_s", "ttft_mean_s", "elapsed_s")
+_RUN_FIELDS = (*SPREAD_FIELDS, "computed_tokens", "hit_rate", "tokens_by_tier",
+               "checked_requests", "max_logit_error")
+
+
+def aggregate_runs(runs: Sequence[RunResult]) -> RunResult:
+    """One row from the cold runs of one (strategy, conversations) point.
+
+    Throughput, TTFTs and ``elapsed_s`` are the medians of the runs (``spread`` keeps each run's
+    value, min and max); the logits check covers every run (``max_logit_error`` is the worst;
+    ``checked_requests`` counts one run's, the same in each); token accounting and engine
+    statistics are the first run's, every run's own token accounting being in ``runs``.
+    """
+    if not runs:
+        raise ValueError("no runs to aggregate")
+    first = runs[0]
+    row = RunResult(**{k: v for k, v in first.__dict__.items() if k not in ("repeats", "spread", "runs")})
+    row.repeats = len(runs)
+    row.max_logit_error = max(r.max_logit_error for r in runs)
+    for name in SPREAD_FIELDS:
+        values = [getattr(r, name) for r in runs]
+        setattr(row, name, statistics.median(values))
+        row.spread[name] = {"runs": values, "min": min(values), "max": max(values)}
+    row.runs = [{k: getattr(r, k) for k in _RUN_FIELDS} for r in runs]
+    return row
 
 
 class ReferenceLogits:
@@ -297,13 +383,15 @@ async def run_point(
     model: TinyDecoder,
     references: ReferenceLogits,
     on_request: Callable[[str], None] = lambda name: None,
+    rotation: int = 0,
 ) -> list[RunResult]:
     """One cold run of ``conversations`` per strategy, served in lockstep.
 
-    Each request is served by every strategy back to back (the order rotating per request), so
-    a burst of load from elsewhere on the machine slows all strategies alike instead of
-    whichever run it happened to overlap. Throughput is prompt tokens over each strategy's own
-    busy time (the sum of its requests' service times). Raises ``LogitsMismatch``.
+    Each request is served by every strategy back to back (the order rotating per request, and
+    by ``rotation`` more), so a burst of load from elsewhere on the machine slows all
+    strategies alike instead of whichever run it happened to overlap. Throughput is prompt
+    tokens over each strategy's own busy time (the sum of its requests' service times). Raises
+    ``LogitsMismatch``.
     """
     import kvtier
 
@@ -325,7 +413,7 @@ async def run_point(
                     )
                 servers.append(server)
             for i, request in enumerate(iter_requests(plan.workload, conversations)):
-                shift = i % len(servers)
+                shift = (i + rotation) % len(servers)
                 for server in servers[shift:] + servers[:shift]:
                     await server.serve(request)
                     on_request(server.strategy.name)
@@ -362,17 +450,29 @@ def _summarize_stats(stats: Mapping[str, Any]) -> dict[str, Any]:
 async def run_plan(
     plan: BenchPlan, model: TinyDecoder, on_request: Callable[[str, int], None] = lambda s, n: None
 ) -> list[RunResult]:
-    """Every (strategy, conversations) result of ``plan``, strategy-major, in sweep order."""
+    """Every (strategy, conversations) row of ``plan``, strategy-major, in sweep order.
+
+    The sweep runs ``plan.repeats`` times, repeat-major (so slow drift on the machine lands on
+    every point and strategy alike) with the strategies' order rotated by one per repeat; each
+    row aggregates its runs (``aggregate_runs``). Raises ``LogitsMismatch`` on the first bad run.
+    """
     references = ReferenceLogits(model)
     # Untimed warm-up: the first forward pass of a process pays one-off costs (allocator growth,
     # kernel selection) that would otherwise land on whichever strategy serves first.
     first = next(iter(iter_requests(plan.workload, plan.conversations[0])), None)
     if first is not None:
         await anyio.to_thread.run_sync(model.dense_logits, first.token_ids)
-    by_point: dict[int, list[RunResult]] = {}
-    for n in plan.conversations:
-        def progress(name: str, n: int = n) -> None:
-            on_request(name, n)
+    by_point: dict[int, list[list[RunResult]]] = {n: [] for n in plan.conversations}
+    for repeat in range(plan.repeats):
+        for n in plan.conversations:
+            def progress(name: str, n: int = n) -> None:
+                on_request(name, n)
 
-        by_point[n] = await run_point(plan, plan.strategies, n, model, references, progress)
-    return [by_point[n][i] for i in range(len(plan.strategies)) for n in plan.conversations]
+            by_point[n].append(
+                await run_point(plan, plan.strategies, n, model, references, progress, rotation=repeat)
+            )
+    return [
+        aggregate_runs([runs[i] for runs in by_point[n]])
+        for i in range(len(plan.strategies))
+        for n in plan.conversations
+    ]
