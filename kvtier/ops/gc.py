@@ -1,0 +1,160 @@
+"""``kvtier gc ROOT --max-bytes N [--dry-run] [--json]``: evict least recently used chunk files.
+
+Scope: the cap is for the **whole ROOT** — the chunk files of every rank tree of every valid run
+(:mod:`kvtier.ops.runs`) together — because that is what fills the disk, and one global order
+lets dead runs' chunks age out first. (The fs tier's own ``max_bytes`` bounds one rank tree per
+process; run gc with ``--max-bytes`` at or above the sum of those to leave the engines alone.)
+Only regular files of the layout's chunk names count and are removed; temporary, stray and unsafe
+entries, orphan trees and anything else under ROOT are neither counted nor touched (``kvtier
+verify --repair`` deals with them). Trailer-less (vLLM) chunk files count and are evicted like
+any other: gc frees space, it does not judge content.
+
+Order: oldest mtime first — the recency the fs tier seeds its index from at start-up (a chunk's
+mtime is when it was written). The tier's in-memory recency (loads since) is not visible to gc,
+so a chunk that is old on disk but hot in an engine can be evicted; the engine then misses once
+and stores it again.
+
+Safe with running engines: files are removed with :func:`kvtier.tiers.fs_io.remove_file` (never
+following a link). A load that opened the file before the unlink reads the whole, intact file; a
+load after it misses; the tier verifies every load, so a removed chunk is at worst a miss, never
+wrong bytes. The engines notice the freed space at their next rescan.
+
+Sizes: ``10G``, ``512MiB``, ``1.5GiB`` (powers of 1024), ``20GB`` (powers of 1000), plain bytes.
+
+Exit status: 0 when the chunk files are (or, with ``--dry-run``, would be) at or under the cap;
+1 when removals failed and ROOT is still over it; 2 on usage errors.
+
+``--json`` prints one document::
+
+    {"root": str, "max_bytes": int, "dry_run": bool,
+     "bytes_before": int, "bytes_after": int, "files_before": int, "files_after": int,
+     "removed": [{"path": str (relative to ROOT), "bytes": int, "mtime": float}],   # or would remove
+     "failed": [{"path": str, "error": str}]}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from kvtier.ops import runs as _runs
+from kvtier.ops.runs import RootError, discover, format_bytes, list_tree, open_root
+from kvtier.tiers import fs_beneath, fs_io
+
+__all__ = ["run_gc_cli", "build_parser", "gc_root"]
+
+_EPILOG = """\
+exit status:
+  0  the chunk files under ROOT are (or would be, with --dry-run) at or under --max-bytes
+  1  some removals failed and ROOT is still over --max-bytes
+  2  usage error (bad arguments or size, ROOT missing or not a directory)
+
+sizes: 10G, 512MiB, 1.5GiB (powers of 1024), 20GB (powers of 1000), or plain bytes
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtier gc",
+        description="Remove the least recently written chunk files until those under ROOT take at most "
+                    "--max-bytes.",
+        epilog=_EPILOG,
+        formatter_class=_runs.HelpFormatter,
+    )
+    parser.add_argument("root", metavar="ROOT", help="the fs tier's root_dir")
+    parser.add_argument("--max-bytes", type=_size_arg, required=True, metavar="N",
+                        help="cap for all chunk files under ROOT together (e.g. 10G, 512MiB)")
+    parser.add_argument("--dry-run", action="store_true", help="print what would be removed, remove nothing")
+    parser.add_argument("--json", action="store_true", help="print one JSON document (schema: module docstring)")
+    return parser
+
+
+def _size_arg(text: str) -> int:
+    try:
+        value = _runs.parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value < 0:  # pragma: no cover - the pattern has no sign
+        raise argparse.ArgumentTypeError(f"expected a size >= 0, got {text!r}")
+    return value
+
+
+def gc_root(root_fd: int, root: str, *, max_bytes: int, dry_run: bool = False) -> dict[str, Any]:
+    """Evict oldest chunk files under ROOT (open as ``root_fd``) until at most ``max_bytes``."""
+    found = discover(root_fd)
+    candidates: list[tuple[float, str, str, int]] = []  # (mtime, tree, relpath, size)
+    for run in found.runs:
+        for rank_tree in run.trees:
+            for entry in list_tree(root_fd, rank_tree.name).chunks:
+                candidates.append((entry.mtime, rank_tree.name, entry.relpath, entry.size))
+    candidates.sort()
+    total = sum(c[3] for c in candidates)
+    before, files = total, len(candidates)
+    removed: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
+    tree_fds: dict[str, int] = {}
+    try:
+        for mtime, tree, relpath, size in candidates:
+            if total <= max_bytes:
+                break
+            path = f"{tree}/{relpath}"
+            if not dry_run:
+                try:
+                    fd = tree_fds.get(tree)
+                    if fd is None:
+                        fd = tree_fds[tree] = fs_beneath.open_dir(root_fd, tree)
+                    fs_io.remove_file(fd, relpath)  # False: already gone (an engine evicted it): freed all the same
+                except OSError as exc:
+                    failed.append({"path": path, "error": str(exc)})
+                    continue
+            removed.append({"path": path, "bytes": size, "mtime": mtime})
+            total -= size
+    finally:
+        for fd in tree_fds.values():
+            os.close(fd)
+    return {
+        "root": root, "max_bytes": max_bytes, "dry_run": dry_run,
+        "bytes_before": before, "bytes_after": total,
+        "files_before": files, "files_after": files - len(removed),
+        "removed": removed, "failed": failed,
+    }
+
+
+def run_gc_cli(argv: Sequence[str], *, out: TextIO | None = None) -> int:
+    """Entry point of ``kvtier gc`` (exit status: see the module docstring)."""
+    out = out if out is not None else sys.stdout
+    try:
+        args = build_parser().parse_args(list(argv))
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    try:
+        root_fd = open_root(args.root)
+    except RootError as exc:
+        print(f"kvtier gc: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        report = gc_root(root_fd, args.root, max_bytes=args.max_bytes, dry_run=args.dry_run)
+    except OSError as exc:
+        print(f"kvtier gc: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        os.close(root_fd)
+    if args.json:
+        json.dump(report, out, indent=2, sort_keys=True)
+        out.write("\n")
+    else:
+        verb = "would remove" if args.dry_run else "removed"
+        for item in report["removed"]:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(item["mtime"]))
+            print(f"{verb} {item['path']}  {item['bytes']} bytes  mtime {when}", file=out)
+        for item in report["failed"]:
+            print(f"FAILED {item['path']}: {item['error']}", file=out)
+        print(f"{verb} {len(report['removed'])} files ({format_bytes(sum(i['bytes'] for i in report['removed']))}); "
+              f"chunk files under ROOT: {format_bytes(report['bytes_before'])} -> "
+              f"{format_bytes(report['bytes_after'])} (cap {format_bytes(report['max_bytes'])})", file=out)
+    return 1 if report["bytes_after"] > report["max_bytes"] else 0

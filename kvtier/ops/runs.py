@@ -1,0 +1,439 @@
+"""What the operator commands share: finding the run namespaces under a root and listing their trees.
+
+A *run* is a directory ``<model>_<digest>`` under ROOT holding a ``config.json`` whose run fields
+hash to ``<digest>`` (:func:`kvtier.layout.namespace`); its *rank trees* are the sibling
+directories ``<model>_<digest>_r<rank>`` that :func:`~kvtier.layout.namespace` gives for that rank
+(a parallelism-agnostic run has only ``_r0``). Everything else directly under ROOT is reported,
+never touched:
+
+* ``invalid_runs``: a ``<model>_<digest>`` directory whose ``config.json`` is missing, a link or
+  special file, too large, not a JSON object, or describes another digest;
+* ``orphan_trees``: a ``..._r<rank>`` directory with no valid run, or one that its run's fields
+  never produce (a rank other than 0 for a parallelism-agnostic run);
+* ``unsafe_entries``: a symbolic link or special file bearing a run or tree name (never followed);
+* ``other_entries``: anything else.
+
+Containment: ROOT is opened once (ROOT itself may be a link, like the tier's ``root_dir``); every
+directory below it is opened ``O_NOFOLLOW`` relative to its parent's descriptor
+(:mod:`kvtier.tiers.fs_beneath`), files are only ``lstat``-ed here, and nothing is modified.
+
+:func:`list_tree` walks one rank tree in parallel (one task per top-level shard directory on a
+small thread pool) and sorts what it finds into chunk files (regular files of the layout's names),
+unsafe entries (links, special files or directories where a chunk or shard directory belongs,
+reason ``not_regular``), temporary files (``<hash>.bin_<n>.tmp`` and O_DIRECT probe files) and
+stray entries (any other name).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import errno
+import json
+import os
+import re
+import stat
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+from kvtier.errors import ConfigError
+from kvtier.layout import Namespace, namespace
+from kvtier.tiers import fs_beneath
+from kvtier.tiers.fs_io import PROBE_PREFIX
+from kvtier.tiers.integrity import TRAILER_PAGE
+
+__all__ = [
+    "RootError",
+    "RankTree",
+    "Run",
+    "Discovery",
+    "TreeListing",
+    "FileEntry",
+    "open_root",
+    "discover",
+    "list_tree",
+    "guess_slot_bytes",
+    "parse_size",
+    "format_bytes",
+    "Progress",
+    "SCAN_THREADS",
+]
+
+_MAX_CONFIG_JSON_BYTES = 1 << 20  # as the fs tier
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW | os.O_CLOEXEC
+_RUN_NAME = re.compile(r"(.+)_([0-9a-f]{12})")
+_TREE_NAME = re.compile(r"(.+_[0-9a-f]{12})_r(0|[1-9][0-9]{0,9})")
+_DIR1 = re.compile(r"[0-9a-f]{3}")
+_DIR2 = re.compile(r"[0-9a-f]{2}_g[0-9]{1,10}")
+_TMP = re.compile(r"[0-9a-f]{6,}\.bin_[0-9]{1,20}\.tmp")
+_PROBE = re.compile(re.escape(PROBE_PREFIX) + r"_[0-9]{1,20}")
+#: Threads of a tree listing: listing is system-call bound, a few threads hide the latency.
+SCAN_THREADS = 8
+
+
+class RootError(Exception):
+    """ROOT does not exist, is not a directory, or cannot be opened (a usage error: exit 2)."""
+
+
+@dataclass(slots=True)
+class RankTree:
+    name: str  # <model>_<digest>_r<rank>
+    rank: int
+    namespace: Namespace  # built with root "" (paths relative to ROOT)
+
+
+@dataclass(slots=True)
+class Run:
+    name: str  # <model>_<digest>
+    model: str
+    digest: str
+    fields: dict[str, Any]
+    trees: list[RankTree] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Discovery:
+    runs: list[Run] = field(default_factory=list)
+    invalid_runs: list[tuple[str, str]] = field(default_factory=list)  # (name, reason)
+    orphan_trees: list[str] = field(default_factory=list)
+    unsafe_entries: list[str] = field(default_factory=list)
+    other_entries: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    relpath: str  # relative to the rank tree
+    size: int
+    mtime: float
+    is_dir: bool = False
+
+
+@dataclass(slots=True)
+class TreeListing:
+    chunks: list[FileEntry] = field(default_factory=list)
+    unsafe: list[FileEntry] = field(default_factory=list)  # reason not_regular
+    tmp: list[FileEntry] = field(default_factory=list)
+    stray: list[FileEntry] = field(default_factory=list)
+
+    def extend(self, other: TreeListing) -> None:
+        self.chunks.extend(other.chunks)
+        self.unsafe.extend(other.unsafe)
+        self.tmp.extend(other.tmp)
+        self.stray.extend(other.stray)
+
+
+def open_root(path: str) -> int:
+    """A directory descriptor of ROOT (which may itself be a link); :class:`RootError` otherwise."""
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise RootError(f"{path}: no such directory") from None
+    except NotADirectoryError:
+        raise RootError(f"{path}: not a directory") from None
+    except OSError as exc:
+        raise RootError(f"{path}: cannot open ({exc.strerror or exc})") from None
+
+
+def _read_config(root_fd: int, name: str) -> dict[str, Any]:
+    """The parsed ``<name>/config.json``; ``ValueError`` with a short reason when unusable."""
+    try:
+        cfg_fd = fs_beneath.open_dir(root_fd, name)
+    except (fs_beneath.UnsafeEntry, FileNotFoundError):
+        raise ValueError("directory vanished or is a link") from None
+    try:
+        try:
+            fd = fs_beneath.open_file(cfg_fd, "config.json", os.O_RDONLY)
+        except FileNotFoundError:
+            raise ValueError("no config.json") from None
+        except fs_beneath.UnsafeEntry:
+            raise ValueError("config.json is a symbolic link or special file") from None
+        except OSError as exc:
+            raise ValueError(f"config.json cannot be read ({exc.strerror or exc})") from None
+        with os.fdopen(fd, "rb") as f:
+            raw = f.read(_MAX_CONFIG_JSON_BYTES + 1)
+    finally:
+        os.close(cfg_fd)
+    if len(raw) > _MAX_CONFIG_JSON_BYTES:
+        raise ValueError("config.json is too large")
+    try:
+        fields = json.loads(raw)
+    except ValueError:
+        raise ValueError("config.json is not valid JSON") from None
+    if not isinstance(fields, dict):
+        raise ValueError("config.json is not a JSON object")
+    return fields
+
+
+def discover(root_fd: int) -> Discovery:
+    """Sort the entries directly under ROOT into runs, their rank trees and the rest (no changes)."""
+    found = Discovery()
+    with os.scandir(root_fd) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    kinds: dict[str, int] = {}
+    for entry in entries:
+        try:
+            kinds[entry.name] = entry.stat(follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            continue
+    runs: dict[str, Run] = {}
+    for name, mode in kinds.items():
+        match = _RUN_NAME.fullmatch(name)
+        if match is None or _TREE_NAME.fullmatch(name):
+            continue
+        if not stat.S_ISDIR(mode):
+            (found.unsafe_entries if stat.S_ISLNK(mode) else found.other_entries).append(name)
+            continue
+        try:
+            fields = _read_config(root_fd, name)
+            ns = namespace("", fields, 0)
+        except ValueError as exc:
+            found.invalid_runs.append((name, str(exc)))
+            continue
+        except ConfigError as exc:
+            found.invalid_runs.append((name, f"config.json: {exc}"))
+            continue
+        if ns.leaf != name:
+            found.invalid_runs.append((name, f"config.json describes run {ns.leaf}, not {name}"))
+            continue
+        runs[name] = Run(name, str(fields["model_name"]), ns.digest, fields)
+    for name, mode in kinds.items():
+        match = _TREE_NAME.fullmatch(name)
+        if match is None:
+            if _RUN_NAME.fullmatch(name) is None:
+                found.other_entries.append(name)
+            continue
+        if not stat.S_ISDIR(mode):
+            (found.unsafe_entries if stat.S_ISLNK(mode) else found.other_entries).append(name)
+            continue
+        run = runs.get(match.group(1))
+        rank = int(match.group(2))
+        tree_ns = namespace("", run.fields, rank) if run is not None else None
+        if run is None or tree_ns is None or tree_ns.blocks_leaf != name:
+            found.orphan_trees.append(name)
+            continue
+        run.trees.append(RankTree(name, rank, tree_ns))
+    found.runs = sorted(runs.values(), key=lambda r: r.name)
+    for run in found.runs:
+        run.trees.sort(key=lambda t: t.rank)
+    return found
+
+
+def _open_dir_entry(parent_fd: int, name: str) -> int | None:
+    """Open directory ``name`` without following links; None for a link, non-directory or gone."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            return None
+        raise
+
+
+def _scandir(fd: int) -> list[os.DirEntry[str]]:
+    try:
+        with os.scandir(fd) as it:
+            return list(it)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _lstat(entry: os.DirEntry[str]) -> os.stat_result | None:
+    try:
+        return entry.stat(follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
+def _entry(relpath: str, st: os.stat_result) -> FileEntry:
+    return FileEntry(relpath, st.st_size, st.st_mtime, stat.S_ISDIR(st.st_mode))
+
+
+def _list_shard(tree_fd: int, d1: str) -> TreeListing:
+    """List ``<d1>/<d2>/<files>`` of one top-level shard directory."""
+    out = TreeListing()
+    d1_fd = _open_dir_entry(tree_fd, d1)
+    if d1_fd is None:
+        return out
+    try:
+        for d2 in _scandir(d1_fd):
+            st = _lstat(d2)
+            if st is None:
+                continue
+            rel2 = f"{d1}/{d2.name}"
+            if not _DIR2.fullmatch(d2.name):
+                out.stray.append(_entry(rel2, st))
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                out.unsafe.append(_entry(rel2, st))
+                continue
+            d2_fd = _open_dir_entry(d1_fd, d2.name)
+            if d2_fd is None:
+                continue
+            try:
+                for leaf in _scandir(d2_fd):
+                    lst = _lstat(leaf)
+                    if lst is None:
+                        continue
+                    rel = f"{rel2}/{leaf.name}"
+                    if Namespace.key_from_relpath(rel) is not None:
+                        (out.chunks if stat.S_ISREG(lst.st_mode) else out.unsafe).append(_entry(rel, lst))
+                    elif _TMP.fullmatch(leaf.name) and not stat.S_ISDIR(lst.st_mode):
+                        out.tmp.append(_entry(rel, lst))
+                    else:
+                        out.stray.append(_entry(rel, lst))
+            finally:
+                os.close(d2_fd)
+    finally:
+        os.close(d1_fd)
+    return out
+
+
+def list_tree(root_fd: int, tree_name: str, *, threads: int = SCAN_THREADS,
+              on_shard: Callable[[], None] | None = None) -> TreeListing:
+    """Everything under rank tree ``tree_name`` (stat only, nothing followed, nothing changed).
+
+    Chunks are sorted oldest first (by mtime). ``on_shard`` is called after each top-level shard
+    directory (progress)."""
+    out = TreeListing()
+    tree_fd = _open_dir_entry(root_fd, tree_name)
+    if tree_fd is None:
+        return out
+    try:
+        shards: list[str] = []
+        for top in _scandir(tree_fd):
+            st = _lstat(top)
+            if st is None:
+                continue
+            if _DIR1.fullmatch(top.name):
+                if stat.S_ISDIR(st.st_mode):
+                    shards.append(top.name)
+                else:
+                    out.unsafe.append(_entry(top.name, st))
+            elif _PROBE.fullmatch(top.name) and not stat.S_ISDIR(st.st_mode):
+                out.tmp.append(_entry(top.name, st))
+            else:
+                out.stray.append(_entry(top.name, st))
+
+        def one(d1: str) -> TreeListing:
+            try:
+                return _list_shard(tree_fd, d1)
+            finally:
+                if on_shard is not None:
+                    on_shard()
+
+        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="kvtier-ops-scan") as pool:
+            for part in pool.map(one, sorted(shards)):
+                out.extend(part)
+    finally:
+        os.close(tree_fd)
+    out.chunks.sort(key=lambda e: (e.mtime, e.relpath))
+    return out
+
+
+def guess_slot_bytes(sizes: list[int]) -> int | None:
+    """``slot_bytes`` of a tree from its chunk file sizes alone (config.json does not record the
+    KV geometry — head count and head size — so it cannot be computed from the run fields).
+
+    The most common size ``M`` is taken to be the trailered size, so ``slot_bytes = M - 4096``;
+    except when files of ``M + 4096`` bytes exist as well, in which case ``M`` is the
+    trailer-less (vLLM) size of a tree mostly written by vLLM. ``None`` for an empty tree or a
+    most common size that cannot be a kvtier chunk (not a positive multiple of 4096)."""
+    if not sizes:
+        return None
+    counts = collections.Counter(sizes)
+    top, _ = max(counts.items(), key=lambda kv: (kv[1], kv[0]))
+    if top % TRAILER_PAGE or top < 2 * TRAILER_PAGE:
+        return top if top % TRAILER_PAGE == 0 and top > 0 else None
+    if counts.get(top + TRAILER_PAGE):
+        return top
+    return top - TRAILER_PAGE
+
+
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?)(i?)(b?)\s*", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"1048576"``, ``"512MiB"``, ``"10G"``, ``"1.5GiB"``, ``"20GB"``.
+
+    ``K/M/G/T/P`` alone and ``KiB/MiB/...`` are powers of 1024 (as ``du``/``df`` print them);
+    ``KB/MB/GB/...`` are powers of 1000. ``ValueError`` otherwise."""
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"not a size: {text!r} (examples: 1048576, 512MiB, 10G, 20GB)")
+    number, unit, binary, b = match.groups()
+    power = "kmgtp".find(unit.lower()) + 1 if unit else 0
+    if binary and not unit:
+        raise ValueError(f"not a size: {text!r}")
+    base = 1000 if (unit and b and not binary) else 1024
+    value = float(number) * base**power
+    if value >= 2**63:
+        raise ValueError(f"size too large: {text!r}")
+    return int(value)
+
+
+def format_bytes(n: float) -> str:
+    """``"1.5 GiB"``-style text."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"  # pragma: no cover
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """``--help`` with defaults shown and the epilog (exit statuses) kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help  # nothing worth showing: the help text says what happens
+        return super()._get_help_string(action)
+
+
+def size_arg(text: str) -> int:
+    """argparse type: a positive :func:`parse_size` size."""
+    try:
+        value = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive size, got {text!r}")
+    return value
+
+
+class Progress:
+    """A one-line progress display on stderr, only when stderr is a terminal; thread safe."""
+
+    def __init__(self, render: Callable[[], str], *, stream: TextIO | None = None, interval_s: float = 0.25) -> None:
+        self._stream = stream if stream is not None else sys.stderr
+        self._render = render
+        self._interval = interval_s
+        self._enabled = bool(getattr(self._stream, "isatty", lambda: False)())
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    def __enter__(self) -> Progress:
+        if self._enabled:
+            self._thread = threading.Thread(target=self._loop, name="kvtier-ops-progress", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._stream.write("\r\x1b[K")
+            self._stream.flush()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            self._stream.write("\r\x1b[K" + self._render())
+            self._stream.flush()
