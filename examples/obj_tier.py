@@ -7,16 +7,25 @@ server is started on 127.0.0.1 with dummy credentials (nothing leaves the machin
     python examples/obj_tier.py                                   # local moto server
     python examples/obj_tier.py --endpoint s3.example.com --scheme https --bucket my-kv
         (credentials from the SDK's default chain, or --access-key/--secret-key)
+
+Needs the ``obj`` extra (``pip install 'kvtier[obj]'``: aiobotocore); the local server needs moto's
+server (``pip install 'moto[server]'``, part of the ``test`` extra). Runs from a checkout; pytest
+is not needed.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
+import logging
 import os
 import random
+import socket
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -58,6 +67,46 @@ async def run(store: dict[str, str]) -> bool:
     return same and outcome.tokens == len(tokens)
 
 
+def start_local_s3() -> Any:
+    """moto's S3 server on a free loopback port, or exit with status 2 when moto is missing."""
+    try:
+        from moto.server import ThreadedMotoServer
+    except ImportError as exc:
+        print(f"obj_tier.py: the local S3 server needs moto's server, which is not installed ({exc}); "
+              "pip install 'moto[server]' (part of kvtier[test]), or pass --endpoint HOST:PORT", file=sys.stderr)
+        raise SystemExit(2) from None
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    for key, value in {"AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": os.devnull,
+                       "AWS_SHARED_CREDENTIALS_FILE": os.devnull}.items():
+        os.environ.setdefault(key, value)
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    deadline = time.monotonic() + 5.0
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+    server.endpoint = f"127.0.0.1:{port}"
+    return server
+
+
+async def create_bucket(store: dict[str, str]) -> None:
+    from aiobotocore.session import get_session
+
+    async with get_session().create_client(
+        "s3", endpoint_url=f"http://{store['endpoint_override']}", region_name=store["region"],
+        aws_access_key_id=store["access_key"], aws_secret_access_key=store["secret_key"],
+    ) as client:
+        await client.create_bucket(Bucket=store["bucket"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--endpoint", help="host[:port] of an S3-compatible store (default: local moto)")
@@ -69,17 +118,22 @@ def main() -> None:
     args = parser.parse_args()
     store = {"bucket": args.bucket, "scheme": args.scheme, "region": args.region,
              "access_key": args.access_key, "secret_key": args.secret_key}
+    if importlib.util.find_spec("aiobotocore") is None:
+        print("obj_tier.py: the obj tier needs aiobotocore, which is not installed; pip install 'kvtier[obj]'",
+              file=sys.stderr)
+        raise SystemExit(2)
     server = None
     if args.endpoint is None:
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-        from s3server import DUMMY_ACCESS_KEY, DUMMY_SECRET_KEY, S3Server
-
-        os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
-        server = S3Server().start()
-        server.create_bucket(args.bucket)
+        server = start_local_s3()
+        # dummy credentials: moto accepts any, and nothing leaves the machine
         store.update(endpoint_override=server.endpoint, scheme="http", region="us-east-1",
-                     access_key=DUMMY_ACCESS_KEY, secret_key=DUMMY_SECRET_KEY)
-        print(f"started a local S3 server (moto) at {server.url}")
+                     access_key="AKIDEXAMPLEDUMMY0001", secret_key="example-dummy-secret")
+        try:
+            asyncio.run(create_bucket(store))
+        except BaseException:
+            server.stop()
+            raise
+        print(f"started a local S3 server (moto) at http://{server.endpoint}")
     else:
         store["endpoint_override"] = args.endpoint
     try:

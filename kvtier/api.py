@@ -854,8 +854,30 @@ class ThreadedEngine:
     def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
         return self._call("cached_prefix_tokens", self.engine.cached_prefix_tokens, token_ids)
 
+    def chunk_keys(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Offload keys of the complete chunks of ``token_ids`` (see :meth:`Engine.chunk_keys`)."""
+        return self._call("chunk_keys", self.engine.chunk_keys, token_ids)  # type: ignore[no-any-return]
+
+    def reset_cache(self) -> None:
+        """Drop every chunk from host memory, safely (see :meth:`Engine.reset_cache`)."""
+        self._call("reset_cache", self.engine.reset_cache)
+
     def drain(self) -> None:
         self._call("drain", self.engine.drain)
+
+    @property
+    def metrics(self) -> Any:
+        """The engine's :class:`kvtier.metrics.EngineMetrics` (``.registry`` for Prometheus).
+
+        Collecting reads counters only, so it is safe from any thread, also after :meth:`close`
+        (the final values).
+        """
+        return self.engine.metrics
+
+    @property
+    def metrics_server(self) -> Any:
+        """The ``/metrics`` HTTP server when ``metrics=`` was given (``.host``, ``.port``), else ``None``."""
+        return self.engine.metrics_server
 
     def statistics(self) -> dict[str, Any]:
         if self._loop_gone:  # nothing runs on the engine any more: the final counts, read here

@@ -1,40 +1,161 @@
-"""The ``kvtier`` command line: ``kvtier bench`` (the main job) and ``kvtier events``."""
+"""The ``kvtier`` command line: ``kvtier bench`` (the main job), ``kvtier events`` and the operator
+commands.
+
+Dispatch is table-driven: :data:`COMMANDS` maps a command name to its one-line help and the
+``"module:function"`` that runs it. The function takes the remaining arguments
+(``list[str]``) and returns the exit status; the module is imported only when its command runs,
+so a command whose module (or one of its optional dependencies) is missing fails with one line
+on stderr and exit status 2, and every other command keeps working.
+
+Helpers for the commands' own parsers: :class:`CliParser` (one-line errors, exit status 2, defaults
+shown in ``--help``) and :func:`exit_codes_epilog`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import NoReturn
 
-__all__ = ["main"]
+__all__ = ["main", "COMMANDS", "CliParser", "exit_codes_epilog", "version"]
 
-_COMMANDS = {
-    "bench": "reproduce the tiered-offloading scaling result on this machine (the main job)",
-    "events": "subscribe to a kvtier/vLLM KV-event publisher and print events as JSON lines",
+#: name -> (one-line help, "module:function"); the function is ``(argv: list[str]) -> int``.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "bench": (
+        "reproduce the tiered-offloading scaling result on this machine (the main job)",
+        "kvtier.bench.cli:run_bench_cli",
+    ),
+    "events": (
+        "subscribe to a kvtier/vLLM KV-event publisher and print events as JSON lines",
+        "kvtier.events:run_events_cli",
+    ),
+    "inspect": ("show what a tier's storage holds", "kvtier.ops.inspect:run_inspect_cli"),
+    "verify": ("check the integrity of a tier's stored chunks", "kvtier.ops.verify:run_verify_cli"),
+    "gc": ("remove stale or unusable data from a tier's storage", "kvtier.ops.gc:run_gc_cli"),
 }
+
+_EXIT_CODES = {0: "success", 2: "bad arguments, or the command is not available in this installation"}
+
+
+def version() -> str:
+    """The installed kvtier version (package metadata; the source tree's ``__version__`` without it)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("kvtier")
+    except PackageNotFoundError:  # running from a checkout that is not installed
+        from kvtier import __version__
+
+        return __version__
+
+
+def exit_codes_epilog(codes: dict[int, str]) -> str:
+    """An ``--help`` epilog listing exit statuses, one per line."""
+    import textwrap
+
+    lines = ["exit status:"]
+    for code, meaning in sorted(codes.items()):
+        lines += textwrap.wrap(meaning, width=78, initial_indent=f"  {code:<3} ", subsequent_indent=" " * 6)
+    return "\n".join(lines)
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps description/epilog line breaks; appends ``(default: X)`` where a default means something."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        default = action.default
+        if default is None or default is False or default == argparse.SUPPRESS or "default" in help_text:
+            return help_text
+        return super()._get_help_string(action)
+
+
+class CliParser(argparse.ArgumentParser):
+    """``argparse`` parser for kvtier's commands.
+
+    A usage error prints one line on stderr (``kvtier CMD: error: …; see 'kvtier CMD --help'``)
+    and exits with status 2 (``SystemExit``); ``--help`` shows each option's default.
+    """
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    width = max(len(name) for name in COMMANDS)
+    commands = "\n".join(f"  {name:<{width}}  {text}" for name, (text, _) in COMMANDS.items())
+    parser = CliParser(
+        prog="kvtier",
+        usage="kvtier [-h] [--version] COMMAND [ARGS ...]",
+        description="Hierarchical KV-cache offloading for LLM serving.\n\ncommands:\n" + commands,
+        epilog="Run 'kvtier COMMAND --help' for a command's options and exit statuses.\n\n"
+        + exit_codes_epilog({**_EXIT_CODES, 1: "the command failed (see its --help)"}),
+    )
+    parser.add_argument("--version", action="version", version=f"kvtier {version()}")
+    return parser
+
+
+def _load(command: str) -> Callable[[list[str]], int] | str:
+    """The command's function, or a one-line reason it cannot run."""
+    target = COMMANDS[command][1]
+    module_name, _, function_name = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or "?"
+        if module_name == missing or module_name.startswith(missing + "."):
+            return (f"kvtier {command}: this command is not available in this installation "
+                    f"(module {module_name} is missing)")
+        return f"kvtier {command}: needs the Python module {missing!r}, which is not installed"
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        return f"kvtier {command}: this command is not available in this installation ({target} is missing)"
+    return function  # type: ignore[no-any-return]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``kvtier ARGS``; returns the exit status (0 success, 2 bad arguments)."""
     args = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(
-        prog="kvtier",
-        description="Hierarchical KV-cache offloading for LLM serving.",
-        epilog="Run 'kvtier COMMAND --help' for a command's options.",
-    )
-    parser.add_argument("command", choices=sorted(_COMMANDS), help="; ".join(f"{k}: {v}" for k, v in _COMMANDS.items()))
-    if not args or args[0] in ("-h", "--help"):
-        parser.print_help()
-        return 0 if args else 2
+    parser = _top_parser()
+    if not args:
+        parser.print_help(sys.stderr)
+        return 2
+    if args[0].startswith("-"):
+        try:
+            parser.parse_args(args[:1])  # --help and --version print and exit 0; others exit 2
+        except SystemExit as exc:
+            return int(exc.code or 0)
+        return 2  # pragma: no cover - parse_args always exits on an option without a command
     command, rest = args[0], args[1:]
-    if command not in _COMMANDS:
-        parser.parse_args([command])  # prints the choices and exits with status 2
-    if command == "bench":
-        from kvtier.bench.cli import run_bench_cli
+    if command not in COMMANDS:
+        from kvtier.config import _did_you_mean
 
-        return run_bench_cli(rest)
-    from kvtier.events import run_events_cli
-
-    return run_events_cli(rest)
+        print(f"kvtier: error: unknown command {command!r}{_did_you_mean(command, COMMANDS)}; "
+              f"allowed: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    function = _load(command)
+    if isinstance(function, str):
+        print(function, file=sys.stderr)
+        return 2
+    try:
+        return int(function(rest))
+    except SystemExit as exc:  # a command's argparse exiting (--help, usage errors)
+        code = exc.code
+        if code is None:
+            return 0
+        if isinstance(code, int):
+            return code
+        print(code, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

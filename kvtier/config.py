@@ -110,9 +110,9 @@ def _invalid(path: str, value: Any, allowed: str, *, secret: bool = False) -> Co
     return ConfigError(f"invalid {path} = {_show(value, secret=secret)}: expected {allowed}")
 
 
-def _did_you_mean(word: str, candidates: Any) -> str:
-    """`` (did you mean 'x'?)`` for the closest candidate, or an empty string."""
-    close = difflib.get_close_matches(word, sorted(candidates), n=1, cutoff=0.6)
+def _did_you_mean(word: str, candidates: Any, cutoff: float = 0.6) -> str:
+    """`` (did you mean 'x'?)`` for the closest candidate (similarity >= ``cutoff``), or ``""``."""
+    close = difflib.get_close_matches(word, sorted(candidates), n=1, cutoff=cutoff)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
@@ -948,6 +948,38 @@ def _parse_role(key: str, value: Any) -> dict[str, Any] | None:
     return out
 
 
+#: The per-request keys kvtier reads.
+REQUEST_KEYS: frozenset[str] = frozenset(
+    {"max_load_tokens", "max_offload_tokens", "kv_load_tiers", *_ROLE_FIELDS}
+)
+#: Keys other connectors put in ``kv_transfer_params`` that look like kvtier's but are not typos
+#: (vLLM's NIXL/P2P connectors: ``do_remote_decode`` is close to ``remote_decoder``).
+_FOREIGN_REQUEST_KEYS = frozenset({
+    "do_remote_decode", "do_remote_prefill", "remote_engine_id", "remote_block_ids", "remote_host",
+    "remote_port", "remote_request_id", "remote_tp_size", "remote_dp_size", "remote_dp_rank",
+    "tp_size", "request_id",
+})
+#: Similarity (difflib ratio) above which an unknown key is taken for a typo of a known one:
+#: high, because vLLM and other connectors pass many keys of their own, silently allowed.
+_TYPO_CUTOFF = 0.85
+_checked_request_keys: set[str] = set()  # unknown keys already judged (per request, no difflib)
+_MAX_CHECKED_REQUEST_KEYS = 1024
+
+
+def _warn_likely_typos(params: Mapping[str, Any]) -> None:
+    """Warn once per process per key about an unknown key that is probably a misspelt kvtier key."""
+    for key in params:
+        if not isinstance(key, str) or key in REQUEST_KEYS or key in _FOREIGN_REQUEST_KEYS:
+            continue
+        if key in _checked_request_keys or len(_checked_request_keys) >= _MAX_CHECKED_REQUEST_KEYS:
+            continue
+        _checked_request_keys.add(key)
+        hint = _did_you_mean(key, REQUEST_KEYS, cutoff=_TYPO_CUTOFF)
+        if hint:
+            logger.warning("kv_transfer_params: unknown key %s is ignored%s (warned once per key)",
+                           _show(key), hint)
+
+
 def _parse_token_cap(key: str, value: Any) -> int | None:
     if value is None:
         return None
@@ -978,7 +1010,8 @@ class RequestParams:
         """Parse a request's ``kv_transfer_params``.
 
         Bad values are logged as warnings (logger ``kvtier.config``) and ignored; unknown keys
-        are ignored silently (vLLM passes many other keys). A forbidden combination of role keys
+        are ignored silently (vLLM passes many other keys), except one that is probably a typo of
+        a kvtier key (``max_load_token``): one warning with the suggestion, once per process per key. A forbidden combination of role keys
         (``remote_prefiller`` with ``remote_decoder`` or ``remote_kv_source``) raises
         :class:`RequestError`, judged on the keys present with a non-null value.
         """
@@ -987,6 +1020,7 @@ class RequestParams:
         if not isinstance(params, Mapping):
             logger.warning("ignoring kv_transfer_params = %s: expected a dict", _show(params))
             return cls()
+        _warn_likely_typos(params)
         present = {k for k in _ROLE_FIELDS if params.get(k) is not None}
         for forbidden in _FORBIDDEN_ROLES:
             if forbidden <= present:

@@ -74,10 +74,11 @@ import contextlib
 import logging
 import platform
 import random
+import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import anyio
@@ -139,7 +140,49 @@ def object_key(ns: Namespace, key: bytes, *, vllm_compatible: bool = False) -> s
     return f"/{path}"
 
 
+def _aiobotocore_installed() -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("aiobotocore") is not None
+    except (ImportError, ValueError):  # a broken entry in sys.modules
+        return False
+
+
+def _missing_aiobotocore(where: str) -> str:
+    return (f"{where}.type: the 'obj' tier needs the aiobotocore package, which is not installed or "
+            "cannot be imported; install the obj extra: pip install 'kvtier[obj]'")
+
+
 # --- secret redaction ----------------------------------------------------------------------------
+#: Secrets at least this long are replaced wherever they occur, also inside longer words (a real
+#: credential: 20+ characters). Shorter ones (a test's "ab") only where they stand as a whole
+#: token — not next to a letter, digit or ``_`` — so that they do not mangle unrelated words.
+MIN_SUBSTRING_SECRET_LEN = 8
+_WORD = "A-Za-z0-9_"
+
+
+def _secret_pattern(secrets: Iterable[str]) -> re.Pattern[str] | None:
+    """One regex matching every secret (longest first); ``None`` without secrets."""
+    parts = []
+    for secret in sorted({s for s in secrets if s}, key=len, reverse=True):
+        part = re.escape(secret)
+        if len(secret) < MIN_SUBSTRING_SECRET_LEN:
+            if re.match(f"[{_WORD}]", secret[0]):
+                part = f"(?<![{_WORD}])" + part
+            if re.match(f"[{_WORD}]", secret[-1]):
+                part += f"(?![{_WORD}])"
+        parts.append(part)
+    return re.compile("|".join(parts)) if parts else None
+
+
+def redact_secrets(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with each secret replaced by ``***`` (short secrets only as whole tokens; see
+    :data:`MIN_SUBSTRING_SECRET_LEN`)."""
+    pattern = _secret_pattern(secrets)
+    return text if pattern is None else pattern.sub("***", text)
+
+
 class _SecretRedactor(logging.Filter):
     """Replaces registered secret strings in records of the loggers it is attached to.
 
@@ -153,22 +196,25 @@ class _SecretRedactor(logging.Filter):
         super().__init__()
         self._lock = threading.Lock()  # logging may happen on botocore's threads
         self._secrets: Counter[str] = Counter()
+        self._pattern: re.Pattern[str] | None = None  # rebuilt on add/remove, read without the lock
         self._attached: list[logging.Logger] = []
 
     def add(self, secrets: Sequence[str]) -> None:
         with self._lock:
             self._secrets.update(s for s in secrets if s)
+            self._pattern = _secret_pattern(self._secrets)
             self._attach()
 
     def remove(self, secrets: Sequence[str]) -> None:
         with self._lock:
             self._secrets.subtract(s for s in secrets if s)
             self._secrets = +self._secrets  # drop zero counts
+            self._pattern = _secret_pattern(self._secrets)
 
     def redact(self, text: str) -> str:
-        for secret in sorted(self._secrets, key=len, reverse=True):
-            text = text.replace(secret, "***")
-        return text
+        """``text`` with the registered secrets replaced (see :func:`redact_secrets`)."""
+        pattern = self._pattern
+        return text if pattern is None else pattern.sub("***", text)
 
     def _attach(self) -> None:
         manager = logging.Logger.manager
@@ -255,6 +301,8 @@ class ObjectStoreTier(SecondaryTier):
     def __init__(self, config: TierConfig, context: TierContext, **tunables: Any) -> None:
         options = config.options
         where = f"secondary_tiers[{context.index}]"
+        if not _aiobotocore_installed():
+            raise ConfigError(_missing_aiobotocore(where))
         store: Mapping[str, Any] | None = options.get("store_config")
         if store is None or not hasattr(store, "get"):
             raise ConfigError(f"{where}.store_config is required for an obj tier")
@@ -318,8 +366,11 @@ class ObjectStoreTier(SecondaryTier):
     # --- lifecycle ----------------------------------------------------------------------------
     async def open(self) -> None:
         """Create the client and probe the bucket; ``ConfigError`` (within ~3 s) if unusable."""
-        from aiobotocore.config import AioConfig
-        from aiobotocore.session import get_session
+        try:
+            from aiobotocore.config import AioConfig
+            from aiobotocore.session import get_session
+        except ImportError as exc:  # installed, but broken or incomplete (botocore, aiohttp)
+            raise ConfigError(f"{_missing_aiobotocore(f'secondary_tiers[{self.config.index}]')} ({exc})") from None
 
         _REDACTOR.add(self._credentials)
         config = AioConfig(
@@ -549,10 +600,7 @@ class ObjectStoreTier(SecondaryTier):
         return exc  # a bug: the base counts it as "internal" and logs the traceback
 
     def _redact(self, text: str) -> str:
-        for secret in self._credentials:
-            if secret:
-                text = text.replace(secret, "***")
-        return text
+        return redact_secrets(text, self._credentials)
 
 
 async def _read_exactly(body: Any, dst: memoryview) -> None:
