@@ -70,12 +70,20 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from kvtier.cli import CliParser, exit_codes_epilog  # the command line's shared conventions
+
+    p = CliParser(
         prog="kvtier bench",
         description="Multi-turn chat prefill on a miniature transformer: throughput vs concurrent "
         "conversations for recompute, cpu and cpu+fs offloading (and any --config).",
+        epilog=exit_codes_epilog({
+            0: "success",
+            1: "a request's logits differ from a full recompute (offloaded KV was wrong), or a run failed",
+            2: "usage error (bad arguments or configuration)",
+        }),
     )
-    p.add_argument("--quick", action="store_true", help="small sweep for CI (< 60 s on 2 cores)")
+    p.add_argument("--quick", action="store_true",
+                   help="small sweep for CI (2, 4, 8 conversations; about 100 s on a busy 2-core VM)")
     p.add_argument("--strategies", default="recompute,cpu,cpu+fs",
                    help="comma-separated built-in strategies: recompute, cpu, cpu+fs (default: all)")
     p.add_argument("--config", action="append", default=[], metavar="FILE.json",
