@@ -59,7 +59,9 @@ sizes: 10G, 512MiB, 1.5GiB (powers of 1024), 20GB (powers of 1000), or plain byt
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from kvtier.cli import CliParser  # one-line usage errors, exit 2
+
+    parser = CliParser(
         prog="kvtier gc",
         description="Remove the least recently written chunk files until those under ROOT take at most "
                     "--max-bytes.",

@@ -68,7 +68,9 @@ exit status:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from kvtier.cli import CliParser  # one-line usage errors, exit 2
+
+    parser = CliParser(
         prog="kvtier inspect",
         description="Summarise the fs-tier runs under ROOT from stat alone (no file reads, no changes).",
         epilog=_EPILOG,
@@ -76,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("root", metavar="ROOT", help="the fs tier's root_dir")
     parser.add_argument("--json", action="store_true", help="print one JSON document (schema: module docstring)")
+    parser.add_argument("--scan-threads", type=_runs.count_arg, default=_runs.SCAN_THREADS, metavar="N",
+                        help="threads listing shard directories; raise it on network filesystems (NFS)")
     parser.add_argument("--slot-bytes", type=_positive_int, default=None, metavar="BYTES",
                         help="slot size of every run (e.g. 256KiB); derived from the most common file size when not given")
     return parser
@@ -106,7 +110,7 @@ def _tree_report(listing: _runs.TreeListing, slot_option: int | None) -> dict[st
 
 
 def inspect_root(root_fd: int, root: str, *, slot_bytes: int | None = None,
-                 progress_stream: TextIO | None = None) -> dict[str, Any]:
+                 progress_stream: TextIO | None = None, scan_threads: int = _runs.SCAN_THREADS) -> dict[str, Any]:
     """The report of ``kvtier inspect`` (the ``--json`` document) for ROOT open as ``root_fd``."""
     found = discover(root_fd)
     done = [0]
@@ -127,7 +131,7 @@ def inspect_root(root_fd: int, root: str, *, slot_bytes: int | None = None,
         for run in found.runs:
             trees = []
             for tree in run.trees:
-                listing = list_tree(root_fd, tree.name, on_shard=tick)
+                listing = list_tree(root_fd, tree.name, threads=scan_threads, on_shard=tick)
                 entry = {"name": tree.name, "rank": tree.rank, **_tree_report(listing, slot_bytes)}
                 trees.append(entry)
                 totals["trees"] += 1
@@ -214,7 +218,7 @@ def run_inspect_cli(argv: Sequence[str], *, out: TextIO | None = None) -> int:
         print(f"kvtier inspect: error: {exc}", file=sys.stderr)
         return 2
     try:
-        report = inspect_root(root_fd, args.root, slot_bytes=args.slot_bytes)
+        report = inspect_root(root_fd, args.root, slot_bytes=args.slot_bytes, scan_threads=args.scan_threads)
     except OSError as exc:
         print(f"kvtier inspect: error: {exc}", file=sys.stderr)
         return 1

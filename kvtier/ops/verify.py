@@ -90,7 +90,9 @@ exit status:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from kvtier.cli import CliParser  # one-line usage errors, exit 2
+
+    parser = CliParser(
         prog="kvtier verify",
         description="Read every chunk file under ROOT and check it against its key, run and rank.",
         epilog=_EPILOG,
