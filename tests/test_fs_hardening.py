@@ -204,8 +204,8 @@ async def test_start_up_sweeps_stale_config_temporaries_and_probe_files(tmp_path
 
 
 def _disk_full(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every new file or directory fails with ENOSPC, and writes come up short then fail."""
-    real_open, real_mkdir = os.open, os.mkdir
+    """Every new file or directory fails with ENOSPC."""
+    real_open = os.open
 
     def open_(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
         if flags & os.O_CREAT:

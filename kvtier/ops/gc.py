@@ -43,7 +43,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from kvtier.ops import runs as _runs
-from kvtier.ops.runs import RootError, discover, format_bytes, list_tree, open_root
+from kvtier.ops.runs import discover, format_bytes, list_tree, run_on_root
 from kvtier.tiers import fs_beneath, fs_io
 
 __all__ = ["run_gc_cli", "build_parser", "gc_root"]
@@ -129,23 +129,12 @@ def gc_root(root_fd: int, root: str, *, max_bytes: int, dry_run: bool = False) -
 
 def run_gc_cli(argv: Sequence[str], *, out: TextIO | None = None) -> int:
     """Entry point of ``kvtier gc`` (exit status: see the module docstring)."""
-    out = out if out is not None else sys.stdout
-    try:
-        args = build_parser().parse_args(list(argv))
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    try:
-        root_fd = open_root(args.root)
-    except RootError as exc:
-        print(f"kvtier gc: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        report = gc_root(root_fd, args.root, max_bytes=args.max_bytes, dry_run=args.dry_run)
-    except OSError as exc:
-        print(f"kvtier gc: error: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        os.close(root_fd)
+    stream = out if out is not None else sys.stdout
+    return run_on_root("gc", build_parser(), argv, lambda args, root_fd: _gc(args, root_fd, stream))
+
+
+def _gc(args: argparse.Namespace, root_fd: int, out: TextIO) -> int:
+    report = gc_root(root_fd, args.root, max_bytes=args.max_bytes, dry_run=args.dry_run)
     if args.json:
         json.dump(report, out, indent=2, sort_keys=True)
         out.write("\n")

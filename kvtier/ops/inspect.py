@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
@@ -54,7 +53,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from kvtier.ops import runs as _runs
-from kvtier.ops.runs import Progress, RootError, discover, format_bytes, guess_slot_bytes, list_tree, open_root
+from kvtier.ops.runs import Progress, discover, format_bytes, guess_slot_bytes, list_tree, run_on_root
 from kvtier.tiers.integrity import TRAILER_PAGE
 
 __all__ = ["run_inspect_cli", "build_parser", "inspect_root"]
@@ -207,23 +206,12 @@ def _print_text(report: dict[str, Any], out: TextIO) -> None:
 
 def run_inspect_cli(argv: Sequence[str], *, out: TextIO | None = None) -> int:
     """Entry point of ``kvtier inspect`` (exit status: see the module docstring)."""
-    out = out if out is not None else sys.stdout
-    try:
-        args = build_parser().parse_args(list(argv))
-    except SystemExit as exc:  # argparse printed the usage error (or --help)
-        return int(exc.code or 0)
-    try:
-        root_fd = open_root(args.root)
-    except RootError as exc:
-        print(f"kvtier inspect: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        report = inspect_root(root_fd, args.root, slot_bytes=args.slot_bytes, scan_threads=args.scan_threads)
-    except OSError as exc:
-        print(f"kvtier inspect: error: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        os.close(root_fd)
+    stream = out if out is not None else sys.stdout
+    return run_on_root("inspect", build_parser(), argv, lambda args, root_fd: _inspect(args, root_fd, stream))
+
+
+def _inspect(args: argparse.Namespace, root_fd: int, out: TextIO) -> int:
+    report = inspect_root(root_fd, args.root, slot_bytes=args.slot_bytes, scan_threads=args.scan_threads)
     if args.json:
         json.dump(report, out, indent=2, sort_keys=True)
         out.write("\n")

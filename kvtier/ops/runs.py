@@ -35,7 +35,7 @@ import re
 import stat
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -61,6 +61,8 @@ __all__ = [
     "format_bytes",
     "Progress",
     "SCAN_THREADS",
+    "run_on_root",
+    "count_arg",
 ]
 
 _MAX_CONFIG_JSON_BYTES = 1 << 20  # as the fs tier
@@ -395,6 +397,35 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
         if action.default is None or action.default is False:
             return action.help  # nothing worth showing: the help text says what happens
         return super()._get_help_string(action)
+
+
+def run_on_root(name: str, parser: argparse.ArgumentParser, argv: Sequence[str],
+                body: Callable[[argparse.Namespace, int], int]) -> int:
+    """The frame of every operator command: parse ``argv``, open ROOT, return ``body(args, root_fd)``.
+
+    Usage errors, an unusable ROOT and a ``ValueError`` from ``body`` (a bad combination of
+    arguments) print one line and give status 2; an ``OSError`` while working gives 1. ROOT's
+    descriptor is closed whatever happens.
+    """
+    try:
+        args = parser.parse_args(list(argv))
+    except SystemExit as exc:  # the parser printed the usage error (or --help)
+        return int(exc.code or 0)
+    try:
+        root_fd = open_root(args.root)
+    except RootError as exc:
+        print(f"kvtier {name}: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return body(args, root_fd)
+    except ValueError as exc:
+        print(f"kvtier {name}: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"kvtier {name}: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        os.close(root_fd)
 
 
 def count_arg(text: str) -> int:

@@ -67,7 +67,7 @@ from typing import Any, TextIO
 
 from kvtier.layout import Namespace
 from kvtier.ops import runs as _runs
-from kvtier.ops.runs import Progress, RootError, discover, format_bytes, list_tree, open_root
+from kvtier.ops.runs import Progress, discover, format_bytes, list_tree, run_on_root
 from kvtier.tiers import fs_beneath, fs_io
 from kvtier.tiers.integrity import MAGIC, TRAILER_PAGE, identity
 
@@ -392,27 +392,13 @@ def _print_text(report: dict[str, Any], out: TextIO) -> None:
 
 def run_verify_cli(argv: Sequence[str], *, out: TextIO | None = None) -> int:
     """Entry point of ``kvtier verify`` (exit status: see the module docstring)."""
-    out = out if out is not None else sys.stdout
-    try:
-        args = build_parser().parse_args(list(argv))
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    try:
-        root_fd = open_root(args.root)
-    except RootError as exc:
-        print(f"kvtier verify: error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        report = verify_root(root_fd, args.root, threads=args.threads, run_filter=args.run, repair=args.repair,
-                             slot_bytes=args.slot_bytes, tmp_grace_s=args.tmp_grace)
-    except ValueError as exc:
-        print(f"kvtier verify: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"kvtier verify: error: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        os.close(root_fd)
+    stream = out if out is not None else sys.stdout
+    return run_on_root("verify", build_parser(), argv, lambda args, root_fd: _verify(args, root_fd, stream))
+
+
+def _verify(args: argparse.Namespace, root_fd: int, out: TextIO) -> int:
+    report = verify_root(root_fd, args.root, threads=args.threads, run_filter=args.run, repair=args.repair,
+                         slot_bytes=args.slot_bytes, tmp_grace_s=args.tmp_grace)
     if args.json:
         json.dump(report, out, indent=2, sort_keys=True)
         out.write("\n")
