@@ -296,14 +296,18 @@ def _check_path_text(what: str, text: str) -> None:
 
 
 def _model_segment(model_name: object) -> str:
+    """The model's directory-name part: every ``/`` replaced by ``_``, as vLLM's FileMapper does.
+
+    The result is one path segment whatever the name (``/models/x`` -> ``_models_x``, which is
+    how vLLM names a local model), so only what no file name can hold is refused: NUL bytes, and
+    names too long for a directory entry.
+    """
     if not isinstance(model_name, str) or not model_name:
         raise ConfigError(f"run fields need a non-empty string model_name, got {model_name!r}")
-    if model_name.startswith("/"):
-        raise ConfigError(f"model_name must not be an absolute path: {model_name!r}")
-    _check_path_text("model_name", model_name)
+    if "\x00" in model_name:
+        raise ConfigError(f"model_name must not contain NUL bytes: {model_name!r}")
     if len(model_name.encode("utf-8")) > _MAX_MODEL_NAME_BYTES:
         raise ConfigError(f"model_name is longer than {_MAX_MODEL_NAME_BYTES} bytes")
-    # One path segment, whatever the organisation/model nesting.
     return model_name.replace("/", "_")
 
 
@@ -390,8 +394,8 @@ def namespace(root: str, fields: Mapping[str, Any], rank: int) -> Namespace:
     ``base_dir = <root>/<model with "/" → "_">_<digest>`` (or without ``<root>/`` when ``root``
     is ``""``); ``blocks_dir = <base_dir>_r<rank>``, with the rank forced to 0 when the fields
     are parallelism-agnostic (no ``parallel_agnostic`` key): all ranks then share one tree.
-    ConfigError when the model name or root could escape the root (``..`` segments, an
-    absolute model name, NUL bytes, backslashes) or the fields are not JSON-serializable.
+    ConfigError when the root could escape (``..`` segments, NUL bytes, backslashes), the model
+    name holds a NUL byte or is too long, or the fields are not JSON-serializable.
     """
     if not isinstance(root, str):
         raise ConfigError(f"root must be a string, got {type(root).__name__}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import pytest
 import torch
@@ -282,14 +283,29 @@ def test_namespace_config_json_is_indented_and_sorted() -> None:
     assert json.loads(ns.config_json())["model_name"] == MODEL
 
 
-@pytest.mark.parametrize(
-    "model",
-    ["../etc", "a/../../b", "/abs/model", "model\x00x", "a\\..\\b", "..", ""],
-)
-def test_model_names_that_could_escape_the_root_are_rejected(model: str) -> None:
+@pytest.mark.parametrize("model", ["model\x00x", "", "m" * 201])
+def test_model_names_no_directory_entry_can_hold_are_rejected(model: str) -> None:
     fields = dict(geometry().run_fields(1), model_name=model)
     with pytest.raises(ConfigError):
         namespace("/r", fields, 0)
+
+
+@pytest.mark.parametrize(
+    ("model", "leaf"),
+    [
+        ("/models/llama-3", "_models_llama-3"),  # vLLM's name for a local model
+        ("../etc", ".._etc"),
+        ("a/../../b", "a_.._.._b"),
+        ("..", ".."),
+        ("a\\..\\b", "a\\..\\b"),
+    ],
+)
+def test_every_model_name_stays_one_segment_inside_the_root(model: str, leaf: str) -> None:
+    """As vLLM's FileMapper: "/" becomes "_", and the digest suffix makes ".." harmless."""
+    ns = namespace("/r", dict(geometry().run_fields(1), model_name=model), 0)
+    assert ns.base_dir == f"/r/{leaf}_{ns.digest}"
+    assert ns.blocks_dir == f"/r/{leaf}_{ns.digest}_r0"
+    assert os.path.dirname(os.path.normpath(ns.blocks_dir)) == "/r"
 
 
 @pytest.mark.parametrize("root", ["/r/../x", "..", "pre\x00fix", "a\\b"])
