@@ -385,6 +385,7 @@ class SecondaryTier(abc.ABC):
         self._idle_event = anyio.Event()
         self._idle_event.set()
         self._wakeup: Callable[[], None] | None = None
+        self._removal_listener: Callable[[Sequence[bytes]], None] | None = None
         self._pending_events: list[OffloadingEvent] = []
 
         self._verdicts: OrderedDict[bytes, _Verdict] = OrderedDict()
@@ -907,6 +908,14 @@ class SecondaryTier(abc.ABC):
         """``cb()`` is called (loop thread) whenever a job result or a lookup verdict is posted."""
         self._wakeup = cb
 
+    def set_removal_listener(self, cb: Callable[[Sequence[bytes]], None] | None) -> None:
+        """``cb(keys)`` is called (loop thread) for every chunk the tier drops on its own.
+
+        Whether or not events are enabled: a view of the tier kept elsewhere (the vLLM adapter's
+        scheduler-side verdicts) stays truthful through it.
+        """
+        self._removal_listener = cb
+
     def _notify(self) -> None:
         if self._wakeup is not None:
             try:
@@ -946,6 +955,11 @@ class SecondaryTier(abc.ABC):
         if not keys:
             return
         self.mark_miss(keys)
+        if self._removal_listener is not None:
+            try:
+                self._removal_listener(keys)
+            except Exception:
+                logger.exception("tier %s: removal listener failed", self.label)
         if self.events_enabled:
             self._pending_events.append(self._make_event(keys, True, reason))
 
