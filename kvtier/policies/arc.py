@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from kvtier.context import RequestContext
 from kvtier.policies.base import CachePolicy
@@ -39,6 +39,12 @@ class ARCPolicy(CachePolicy):
     Evictability is read from ``ChunkStatus.ref_cnt`` directly (the host tier keeps it current),
     so :meth:`mark_evictable` and :meth:`mark_non_evictable` have nothing to do.
     """
+
+    #: When true, :meth:`on_request_finished` promotes a reused key found in ``T1`` even if its
+    #: chunk is write-pending (the key was evicted and stored again after the reuse). vLLM 0.33's
+    #: built-in ARC does so; kvtier's default never counts a pending chunk as an access. Set by
+    #: the vLLM adapter (``kvtier.integrations.vllm.policies``) to match vLLM exactly.
+    promote_pending_reused_on_finish: ClassVar[bool] = False
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
@@ -115,11 +121,15 @@ class ARCPolicy(CachePolicy):
     ) -> None:
         """In reverse prefix order: reused keys count one access (``T1`` → ``T2`` MRU if ready,
         ``T2`` → MRU); insertion-only keys move to the MRU end of the list holding them; other
-        keys, and keys no longer resident, are left alone."""
+        keys, and keys no longer resident, are left alone. (See
+        :attr:`promote_pending_reused_on_finish` for write-pending reused chunks.)"""
         for key in reversed(self.order_request_keys(key_groups, req_context)):
             if key in reused_keys:
                 if key in self._t1:
-                    self._reaccess_t1(key)
+                    if self.promote_pending_reused_on_finish:
+                        self._t2[key] = self._t1.pop(key)
+                    else:
+                        self._reaccess_t1(key)
                 elif key in self._t2:
                     self._t2.move_to_end(key)
             elif key in insertion_only_keys:

@@ -5,9 +5,10 @@ first among evictable, unprotected chunks. A global counter hands out fresh ``r`
 
 * an unpositioned insert, and every touched key, gets a fresh rank ``(next, 0)`` (most recent);
 * an insert whose request recorded a token position ``p`` for the key gets
-  ``(request_rank, -p)``: all chunks of a request share one rank drawn when the request first
-  inserts, and within a request the tail (large ``p``) is evicted before the head, so a cache
-  under pressure keeps usable prefixes instead of useless suffixes;
+  ``(request_rank, -p)``: all chunks of a request share one rank drawn at the request's first
+  access (:meth:`~LRUPolicy.on_request_access`) or insert, whichever comes first, and within a
+  request the tail (large ``p``) is evicted before the head, so a cache under pressure keeps
+  usable prefixes instead of useless suffixes;
 * :meth:`~LRUPolicy.touch` and :meth:`~LRUPolicy.on_request_finished` assign fresh ranks in
   **reverse** of the given (prefix) order, so the head of the prefix ends up most recent.
 
@@ -124,17 +125,19 @@ class LRUPolicy(CachePolicy):
         A chunk another request inserted earlier joins this request's rank group, so it is not
         evicted ahead of the request's own (later-inserted) chunks. Keys without a position, and
         calls without a context, are ignored.
+
+        The request rank is drawn here if the request has none yet, even when no key is resident:
+        the host tier reports a request's first accesses before it allocates, so a request whose
+        first store fails (no room) keeps the rank of that first access, as in vLLM.
         """
         if req_context is None:
             return
-        request_rank: int | None = None
+        request_rank = self._request_rank(req_context)
         for key in keys:
             rank = self._rank.get(key)
             position = req_context.get_offload_key_position(key)
             if rank is None or position is None:
                 continue
-            if request_rank is None:
-                request_rank = self._request_rank(req_context)
             if (request_rank, -position) > (rank[0], rank[1]):
                 self._set_rank(key, (request_rank, -position, key))
         self._maybe_compact()
