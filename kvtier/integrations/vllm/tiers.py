@@ -11,8 +11,11 @@ and is only ever touched from there. Between the two sits a *scheduler-side view
   index, or a probe of slow storage) and posts each verdict back. A verdict always comes back
   within the tier's ``lookup_timeout_s``; a key still unanswered after that reads as a MISS, so a
   request never waits forever.
-* **Jobs** are handed over with ``loop.call_soon_threadsafe`` (a few µs) and come back, exactly
-  once, through the same inbox as the verdicts, in the order the loop saw them.
+* **Jobs**, touches and probes are queued on the scheduler side and handed to the loop in one
+  ``loop.call_soon_threadsafe`` per step, at ``on_schedule_end`` (waking the loop per call would
+  cost the scheduler thread the GIL each time); ``drain_jobs`` and ``shutdown`` hand over what is
+  queued first. Results come back, exactly once, through the same inbox as the verdicts, in the
+  order the loop saw them.
 * **Removals** the tier makes on its own (eviction under ``max_bytes``, a corrupt file) reach the
   view through the tier's removal listener, so a key the tier dropped answers MISS at the next
   lookup. What another process removes is learnt at the first failed promotion (the tier then
@@ -139,6 +142,15 @@ class PrimaryRows:
             self._flat = None
 
 
+def _run_all(calls: list[tuple[Any, tuple[Any, ...]]]) -> None:
+    """On the loop: run a step's hand-offs in order; one failing call does not stop the rest."""
+    for fn, args in calls:
+        try:
+            fn(*args)
+        except Exception:
+            logger.exception("kvtier: a call handed to the event loop failed")
+
+
 class _KvtierTier(SecondaryTierManager):
     """The adapter proper; the public subclasses only name the kvtier tier type they wrap."""
 
@@ -204,6 +216,7 @@ class _KvtierTier(SecondaryTierManager):
         self._inbox: collections.deque[tuple[Any, ...]] = collections.deque()
 
         # Loop-side state (touched only on the loop thread).
+        self._outbox: list[tuple[Any, tuple[Any, ...]]] = []  # calls for the loop, sent per step
         self._waiting: set[bytes] = set()
         self._pump_scheduled = False
         self._hosted: HostedTask | None = None
@@ -307,19 +320,21 @@ class _KvtierTier(SecondaryTierManager):
         return LookupResult.RETRY
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """The step's last call: hand this step's jobs, touches and probes to the loop at once."""
         if self._closed:
             return
         if self._batch:
             batch, self._batch = self._batch, []
-            self._hand_over(self._probe, batch)
+            self._outbox.append((self._probe, (batch,)))
         now = time.monotonic()
         if now >= self._stats_due:
             self._stats_due = now + _STATS_PERIOD_S
-            self._hand_over(self._snapshot)
+            self._outbox.append((self._snapshot, ()))
+        self._flush_outbox()
 
     def touch(self, keys: Collection[bytes], req_context: ReqContext) -> None:
         if self._forwards_touch and keys and not self._closed:
-            self._hand_over(self._tier.touch, list(keys))
+            self._outbox.append((self._tier.touch, (list(keys),)))
 
     # --- scheduler side: jobs ------------------------------------------------------------------
     def submit_store(self, job_metadata: TransferJob) -> None:
@@ -338,20 +353,23 @@ class _KvtierTier(SecondaryTierManager):
         self._jobs[job.job_id] = (keys, is_promotion)
         kjob = kbase.TransferJob(job_id=job.job_id, keys=keys, slot_ids=slots,
                                  is_promotion=is_promotion, submit_time=job.submit_time)
-        submit = self._tier.submit_load if is_promotion else self._tier.submit_store
-        if self._closed or not self._hand_over(submit, kjob):
+        if self._closed:
             self._inbox.append(("result", kbase.JobResult(job.job_id, False, is_promotion, failure_reason="closed")))
+            return
+        self._outbox.append((self._tier.submit_load if is_promotion else self._tier.submit_store, (kjob,)))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         if self._inbox:
             self._absorb()
+        if not self._finished:
+            return ()
         finished, self._finished = self._finished, []
         return finished
 
     def has_pending_work(self) -> bool:
         if self._inbox:
             self._absorb()
-        return bool(self._jobs or self._asked or self._finished)
+        return bool(self._jobs or self._asked or self._finished or self._outbox)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self._inbox:
@@ -362,13 +380,26 @@ class _KvtierTier(SecondaryTierManager):
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
-    def _hand_over(self, fn: Any, *args: Any) -> bool:
+    def _flush_outbox(self) -> None:
+        """Hand everything queued this step to the loop in ONE wake-up (scheduler side).
+
+        Waking the loop per call would cost the scheduler thread the GIL each time (the loop
+        thread takes it and keeps it until it blocks); once per step it lands when the scheduler
+        is about to run the model anyway. Jobs therefore start at the end of the step that
+        submitted them, as vLLM's own deferred work does.
+        """
+        if not self._outbox:
+            return
+        batch, self._outbox = self._outbox, []
         try:
-            self._loop.call_soon(fn, *args)
+            self._loop.call_soon(_run_all, batch)
         except RuntimeError:
-            logger.error("tier %s: kvtier's event loop is gone; failing the call", self.label)
-            return False
-        return True
+            logger.error("tier %s: kvtier's event loop is gone; failing %d queued calls", self.label, len(batch))
+            for _fn, args in batch:
+                if args and isinstance(args[0], kbase.TransferJob):
+                    job = args[0]
+                    self._inbox.append(("result", kbase.JobResult(job.job_id, False, job.is_promotion,
+                                                                  failure_reason="closed")))
 
     def _absorb(self) -> None:
         """Apply what the loop posted, in the order it was posted (scheduler side)."""
@@ -387,13 +418,14 @@ class _KvtierTier(SecondaryTierManager):
                     self._remember(key, False)
             else:
                 self._events.extend(self._translate(event) for event in item[1])
+        verdicts = self._verdicts
+        while len(verdicts) > _MAX_VERDICTS:  # forget the oldest facts first
+            del verdicts[next(iter(verdicts))]
 
     def _remember(self, key: bytes, present: bool) -> None:
         verdicts = self._verdicts
         verdicts.pop(key, None)
         verdicts[key] = True if present else time.monotonic() + self._negative_ttl_s
-        if len(verdicts) > _MAX_VERDICTS:
-            del verdicts[next(iter(verdicts))]
 
     def _finish(self, result: kbase.JobResult) -> None:
         entry = self._jobs.pop(result.job_id, None)
@@ -410,8 +442,11 @@ class _KvtierTier(SecondaryTierManager):
                         self._remember(key, False)
                 successful_keys = [k for k in keys if k in loaded] or None
         elif result.success:
+            verdicts = self._verdicts
             for key in keys:
-                self._remember(key, True)
+                if verdicts.get(key) is not True:
+                    verdicts.pop(key, None)  # a newer fact goes to the end (oldest forgotten first)
+                    verdicts[key] = True
         self._finished.append(JobResult(
             job_id=result.job_id,
             success=result.success,
@@ -432,11 +467,13 @@ class _KvtierTier(SecondaryTierManager):
     # --- blocking calls vLLM allows ------------------------------------------------------------
     def drain_jobs(self) -> None:
         if not self._closed:
+            self._flush_outbox()
             self._loop.call(self._drain_on_loop)
 
     def shutdown(self) -> None:
         if self._closed:
             return
+        self._flush_outbox()  # queued jobs reach the tier and are reported (cancelled if need be)
         self._closed = True
         try:
             self._loop.call(self._close_on_loop)
