@@ -333,6 +333,8 @@ class Engine:
                     waiter[1].append(result)
                     waiter[0].set()
         self.manager.poll()
+        if self.manager.needs_step_end():  # promotions started by a peer's lookups, parked cascades
+            self.manager.on_schedule_end()
         self._publish_events()
 
     def _publish_events(self) -> None:
@@ -487,6 +489,7 @@ class Engine:
         hashes, keys = self._hashes_and_keys(token_ids)
         first = num_computed_tokens // self.chunk_tokens
         ctx = self._context("load", params, keys[first:], first)
+        self.manager.on_new_request(ctx)
         limit = ctx.params.max_load_tokens
         candidates = keys[first:]
         if limit is not None:
@@ -574,6 +577,7 @@ class Engine:
                      params: Mapping[str, Any] | None, num_prompt_tokens: int | None) -> int:
         hashes, keys = self._hashes_and_keys(token_ids)
         ctx = self._context("store", params, keys)
+        self.manager.on_new_request(ctx)
         limit = len(token_ids)
         cap = ctx.params.max_offload_tokens
         if cap is not None:

@@ -34,11 +34,11 @@ from typing import TYPE_CHECKING
 from kvtier.context import RequestContext
 from kvtier.errors import ConfigError
 from kvtier.stats import LATENCY_BUCKETS, Histogram, HistogramSnapshot
-from kvtier.types import CacheHitSource, LookupResult, OffloadingEvent
+from kvtier.types import CacheHitSource, LookupResult, OffloadingEvent, OffloadPolicy
 
 if TYPE_CHECKING:
     from kvtier.config import EngineConfig
-    from kvtier.tiers.base import JobResult, SecondaryTier
+    from kvtier.tiers.base import JobResult, SecondaryTier, TransferJob
     from kvtier.tiers.cpu import HostTier, PrepareStoreOutput
 
 __all__ = [
@@ -110,6 +110,11 @@ class _RequestState:
     pending_primary_stores: int = 0
     is_finished: bool = False
     load_sources: dict[bytes, int] = field(default_factory=dict)
+    #: Tiers that asked for every chunk of this request (OffloadPolicy.REQUEST_LEVEL).
+    request_level_tiers: tuple[int, ...] = ()
+    #: Chunks the host tier held when offered but still being written (HIT_PENDING): cascaded to
+    #: the request-level tiers once ready, retried at every ``on_schedule_end``.
+    parked_cascades: list[bytes] = field(default_factory=list)
 
 
 class TieringManager:
@@ -129,6 +134,10 @@ class TieringManager:
         self._requests: dict[str, _RequestState] = {}
         self._polled_this_step = False
         self._promotions_held = False
+        self._serving_tiers = [
+            idx for idx, tier in enumerate(self.tiers)
+            if type(tier).serve_external_requests is not _base_serve_external_requests()
+        ]
         # statistics
         self._primary_lookups = 0
         self._primary_hits = 0
@@ -152,13 +161,30 @@ class TieringManager:
             state = self._requests[ctx.req_id] = _RequestState(ctx)
         return state
 
+    def on_new_request(self, ctx: RequestContext, *, exclude_tier: int | None = None) -> OffloadPolicy:
+        """A request starts: ask every tier which of its chunks it wants.
+
+        Tiers answering ``REQUEST_LEVEL`` get every chunk the request offers to
+        :meth:`prepare_store` (chunks already in host memory too); the answer is
+        ``REQUEST_LEVEL`` if any tier asked for it.
+        """
+        levels = tuple(
+            idx for idx, tier in enumerate(self.tiers)
+            if idx != exclude_tier and tier.on_new_request(ctx) is OffloadPolicy.REQUEST_LEVEL
+        )
+        if not levels:
+            return OffloadPolicy.CHUNK_LEVEL
+        self._state(ctx).request_level_tiers = levels
+        return OffloadPolicy.REQUEST_LEVEL
+
     # ------------------------------------------------------------------ load path
-    def lookup(self, key: bytes, ctx: RequestContext) -> LookupResult:
+    def lookup(self, key: bytes, ctx: RequestContext, *, exclude_tier: int | None = None) -> LookupResult:
         """Where ``key`` can be loaded from now. Never blocks.
 
         ``HIT``: in host memory, ready. ``HIT_PENDING``: will be in host memory (a store or a
         promotion is in flight) — ask again after progress. ``RETRY``: some tier is still
-        probing. ``MISS``: nowhere (or promotions are held after a reset).
+        probing. ``MISS``: nowhere (or promotions are held after a reset). ``exclude_tier``
+        skips one tier (a tier serving a peer looks up the rest of the stack).
         """
         if not self._polled_this_step:
             self.poll()
@@ -175,7 +201,7 @@ class TieringManager:
         any_retry = False
         for idx, tier in enumerate(self.tiers):
             cfg = tier.config
-            if not tier_filter.allows(idx, cfg.type, tier.medium, cfg.locality):
+            if idx == exclude_tier or not tier_filter.allows(idx, cfg.type, tier.medium, cfg.locality):
                 continue
             verdict = tier.lookup(key, ctx)
             if verdict is LookupResult.HIT:
@@ -235,13 +261,34 @@ class TieringManager:
             return None
         if out.keys_to_store:
             self._state(ctx).pending_primary_stores += 1
+        state = self._requests.get(ctx.req_id)
+        if state is not None and state.request_level_tiers:
+            # Request-level tiers get the chunks the host already held as well, now (or once
+            # another request finished writing them).
+            new = set(out.keys_to_store)
+            ready: list[bytes] = []
+            for key in keys:
+                if key in new:
+                    continue
+                verdict = self.host.lookup(key)
+                if verdict is LookupResult.HIT:
+                    ready.append(key)
+                elif verdict is LookupResult.HIT_PENDING:
+                    state.parked_cascades.append(key)
+            if ready:
+                for idx in state.request_level_tiers:
+                    self._submit_cascade(idx, ready, ctx)
         return out
 
     def complete_store(self, keys: Sequence[bytes], ctx: RequestContext, success: bool = True) -> None:
         """Publish stored keys (or release them on failure) and cascade them to every tier."""
         self.host.complete_store(keys, success)
         if success and keys:
-            for idx in range(len(self.tiers)):
+            state = self._requests.get(ctx.req_id)
+            request_level = state.request_level_tiers if state is not None else ()
+            for idx, tier in enumerate(self.tiers):
+                if tier.request_level_only and idx not in request_level:
+                    continue
                 self._submit_cascade(idx, list(keys), ctx)
         state = self._requests.get(ctx.req_id)
         if state is not None and state.pending_primary_stores > 0:
@@ -272,7 +319,7 @@ class TieringManager:
         self._maybe_finalize(state)
 
     def _maybe_finalize(self, state: _RequestState) -> None:
-        if not state.is_finished or state.pending_primary_stores > 0:
+        if not state.is_finished or state.pending_primary_stores > 0 or state.parked_cascades:
             return
         if any(p.ctx is state.ctx for p in self._pending.values()):
             return  # promotions still to submit: finalize after they are flushed
@@ -294,6 +341,7 @@ class TieringManager:
             )
             self._jobs[(tier_idx, job.job_id)] = _JobRecord(tier_idx, promo.keys, True, job.submit_time)
             self.tiers[tier_idx].submit_load(job)
+        self._retry_parked_cascades()
         for tier in self.tiers:
             tier.on_schedule_end()
         for promo in pending.values():
@@ -301,12 +349,35 @@ class TieringManager:
             if state is not None:
                 self._maybe_finalize(state)
 
+    def _retry_parked_cascades(self) -> None:
+        for state in [s for s in self._requests.values() if s.parked_cascades]:
+            ready: list[bytes] = []
+            still: list[bytes] = []
+            for key in state.parked_cascades:
+                verdict = self.host.lookup(key)
+                if verdict is LookupResult.HIT:
+                    ready.append(key)
+                elif verdict is LookupResult.HIT_PENDING:
+                    still.append(key)
+                # MISS: the write failed or the chunk was evicted; nothing to cascade
+            state.parked_cascades = still
+            if ready:
+                for idx in state.request_level_tiers:
+                    self._submit_cascade(idx, ready, state.ctx)
+            self._maybe_finalize(state)
+
+    def needs_step_end(self) -> bool:
+        """True when :meth:`on_schedule_end` has work: promotions to submit, cascades parked."""
+        return bool(self._pending) or any(s.parked_cascades for s in self._requests.values())
+
     def poll(self) -> None:
         """Process every finished tier job: complete promotions, unpin cascades. Never blocks."""
         self._polled_this_step = True
         for idx, tier in enumerate(self.tiers):
             for result in tier.get_finished_jobs():
                 self._process_result(idx, result)
+        for idx in self._serving_tiers:
+            self.tiers[idx].serve_external_requests(_TierFacingParent(self, idx))
         if self._promotions_held and not self._jobs and not self._pending:
             self._promotions_held = False
 
@@ -340,7 +411,21 @@ class TieringManager:
                 self._cascade_failures[label] += 1
 
     def has_pending_work(self) -> bool:
-        return bool(self._jobs or self._pending) or any(t.has_pending_work() for t in self.tiers)
+        return bool(self._jobs or self._pending or self.needs_step_end()) or any(
+            t.has_pending_work() for t in self.tiers)
+
+    def create_store_job(self, tier_idx: int, keys: Sequence[bytes], ctx: RequestContext) -> TransferJob:
+        """Pin ``keys`` (host HITs) for a store job tier ``tier_idx`` owns (see :class:`ParentManager`)."""
+        from kvtier.tiers.base import TransferJob
+
+        keys = list(keys)
+        for key in keys:
+            if self.host.lookup(key) is not LookupResult.HIT:
+                raise ValueError(f"create_store_job: chunk {key.hex()[:16]} is not ready in host memory")
+        slot_ids = self.host.prepare_read(keys)
+        job = TransferJob(next(self._job_ids), keys, slot_ids, is_promotion=False, ctx=ctx)
+        self._jobs[(tier_idx, job.job_id)] = _JobRecord(tier_idx, keys, False, job.submit_time)
+        return job
 
     @property
     def jobs_in_flight(self) -> int:
@@ -419,6 +504,35 @@ class TieringManager:
             jobs_in_flight=len(self._jobs),
             promotions_held=self._promotions_held,
         )
+
+
+def _base_serve_external_requests() -> object:
+    from kvtier.tiers.base import SecondaryTier
+
+    return SecondaryTier.serve_external_requests
+
+
+class _TierFacingParent:
+    """The manager as one tier sees it while serving a peer (``kvtier.tiers.base.ParentManager``):
+    that tier is left out of lookups."""
+
+    __slots__ = ("_manager", "_idx")
+
+    def __init__(self, manager: TieringManager, tier_idx: int) -> None:
+        self._manager = manager
+        self._idx = tier_idx
+
+    def on_new_request(self, ctx: RequestContext) -> OffloadPolicy:
+        return self._manager.on_new_request(ctx, exclude_tier=self._idx)
+
+    def lookup(self, key: bytes, ctx: RequestContext) -> LookupResult:
+        return self._manager.lookup(key, ctx, exclude_tier=self._idx)
+
+    def create_store_job(self, keys: Sequence[bytes], ctx: RequestContext) -> TransferJob:
+        return self._manager.create_store_job(self._idx, keys, ctx)
+
+    def on_request_finished(self, ctx: RequestContext) -> None:
+        self._manager.on_request_finished(ctx)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 __all__ = [
     "OffloadKey",
     "LookupResult",
+    "OffloadPolicy",
     "Medium",
     "Locality",
     "CacheHitSource",
@@ -34,6 +35,17 @@ class LookupResult(enum.Enum):
     HIT = "hit"
     HIT_PENDING = "hit_pending"
     RETRY = "retry"
+
+
+class OffloadPolicy(str, enum.Enum):
+    """Which chunks of a request are offered to a tier (reference §1.2).
+
+    ``CHUNK_LEVEL``: only chunks the request computed and stored. ``REQUEST_LEVEL``: every chunk
+    of the request, prefix hits included (a P/D producer: the peer fetches the whole prefix).
+    """
+
+    CHUNK_LEVEL = "chunk_level"
+    REQUEST_LEVEL = "request_level"
 
 
 class Medium(str, enum.Enum):

@@ -95,7 +95,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from kvtier.context import RequestContext
 from kvtier.stats import Histogram, HistogramSnapshot, MetricFamily
-from kvtier.types import CacheHitSource, LookupResult, Medium, OffloadingEvent
+from kvtier.types import CacheHitSource, LookupResult, Medium, OffloadingEvent, OffloadPolicy
 
 if TYPE_CHECKING:
     from kvtier.config import TierConfig
@@ -113,6 +113,7 @@ __all__ = [
     "JobResult",
     "TierStatistics",
     "SecondaryTier",
+    "ParentManager",
     "EVICTION_AGE_BUCKETS",
 ]
 
@@ -123,6 +124,33 @@ EVICTION_AGE_BUCKETS: tuple[float, ...] = (1.0, 10.0, 60.0, 300.0, 900.0, 3600.0
 
 _METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _METRIC_KINDS = frozenset({"counter", "gauge", "histogram"})
+
+
+class ParentManager(abc.ABC):
+    """What a tier may ask of the manager while serving an external request (reference §2.4).
+
+    For each remote request, in order: :meth:`on_new_request`, then :meth:`lookup` and
+    :meth:`create_store_job` as needed, then :meth:`on_request_finished` (always, even with no
+    hits). The calling tier is excluded from the lookup's fan-out.
+    """
+
+    @abc.abstractmethod
+    def on_new_request(self, ctx: RequestContext) -> OffloadPolicy: ...
+
+    @abc.abstractmethod
+    def lookup(self, key: bytes, ctx: RequestContext) -> LookupResult:
+        """HIT / HIT_PENDING (a promotion into host memory started) / RETRY / MISS."""
+
+    @abc.abstractmethod
+    def create_store_job(self, keys: Sequence[bytes], ctx: RequestContext) -> TransferJob:
+        """Pin the host chunks of ``keys`` (all HIT) for a store job the calling tier owns.
+
+        The tier reports the job through ``get_finished_jobs`` like any cascade; the pins are
+        released then.
+        """
+
+    @abc.abstractmethod
+    def on_request_finished(self, ctx: RequestContext) -> None: ...
 
 
 # --- errors --------------------------------------------------------------------------------------
@@ -311,6 +339,9 @@ class SecondaryTier(abc.ABC):
     cache_hit_source: ClassVar[CacheHitSource] = CacheHitSource.EXTERNAL_UNSPECIFIED
     #: True when the primitives only work on asyncio (the engine then refuses trio).
     requires_asyncio: ClassVar[bool] = False
+    #: True for a tier that takes cascades only from requests that chose ``REQUEST_LEVEL`` for it
+    #: in :meth:`on_new_request` (p2p: it holds a producer's chunks for its consumer, nothing else).
+    request_level_only: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -894,6 +925,18 @@ class SecondaryTier(abc.ABC):
             await self._idle_event.wait()
 
     # --- manager-facing no-ops -----------------------------------------------------------------
+    def on_new_request(self, ctx: RequestContext) -> OffloadPolicy:
+        """A request starts: which of its chunks this tier wants (default: the ones it stores)."""
+        return OffloadPolicy.CHUNK_LEVEL
+
+    def serve_external_requests(self, parent: ParentManager) -> None:
+        """Answer requests that came from outside (a peer's lookups) through ``parent``.
+
+        Called by the manager on every poll, on the loop thread. ``parent`` is valid only during
+        the call; it is the manager with this tier excluded (see :class:`ParentManager`).
+        Default: nothing.
+        """
+
     def touch(self, keys: Sequence[bytes], ctx: RequestContext | None = None) -> None:
         """The manager used ``keys`` for a request (recency hint; default: nothing)."""
 
