@@ -302,3 +302,31 @@ def test_readme_configuration_builds_a_working_manager(tmp_path: Path) -> None:
         assert d.load(keys) == [payload(k, ROW).tobytes() for k in keys]
     finally:
         d.shutdown()
+
+
+def test_a_store_job_larger_than_the_tier_leaves_no_stale_hit() -> None:
+    """One job of 4 chunks into a 2-chunk memory tier: the first two are evicted by the last two
+    before the job's result is reported; the scheduler must not believe they are there."""
+    d = Driver(tiering_spec([{"type": "kvtier_memory", "capacity_bytes": 2 * ROW}]))
+    try:
+        keys = chunk_keys("overflow", 4)
+        d.store(keys)
+        (tier,) = d.manager.secondary_tiers
+        ctx = d.context()
+        with d.manager.lock:
+            assert [tier.lookup(k, ctx) for k in keys] == [LookupResult.MISS] * 2 + [LookupResult.HIT] * 2
+    finally:
+        d.shutdown()
+
+
+def test_the_readme_s3_snippet_is_a_valid_kvtier_obj_tier() -> None:
+    """The README's S3 tier entry passes kvtier's validation as given."""
+    import re
+
+    from kvtier.config import TierConfig
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Using kvtier from vLLM"):]
+    snippet = json.loads(re.search(r'```json\n(\{"type": "kvtier_obj".*?)\n```', section, re.S).group(1))
+    config = TierConfig.from_dict({**snippet, "type": "obj"}, 0)
+    assert config.options["store_config"]["bucket"] == "my-kv-bucket"

@@ -212,18 +212,21 @@ class _KvtierTier(SecondaryTierManager):
         self._stats_reported: kbase.TierStatistics | None = None
         self._stats_due = 0.0
         # The one channel from the loop thread: ("verdict", key, present) | ("removed", keys)
-        # | ("result", kvtier JobResult) | ("events", [kvtier events]).
+        # | ("result", kvtier JobResult, keys still held) | ("events", [kvtier events]).
         self._inbox: collections.deque[tuple[Any, ...]] = collections.deque()
 
-        # Loop-side state (touched only on the loop thread).
         self._outbox: list[tuple[Any, tuple[Any, ...]]] = []  # calls for the loop, sent per step
+
+        # Loop-side state (touched only on the loop thread).
         self._waiting: set[bytes] = set()
+        self._loop_jobs: dict[int, list[bytes]] = {}  # store job id -> keys, until its result
         self._pump_scheduled = False
         self._hosted: HostedTask | None = None
 
+        self._tier: kbase.SecondaryTier
         self._loop = LoopThread.acquire()
         try:
-            self._tier: kbase.SecondaryTier = self._loop.call(self._start_on_loop)
+            self._loop.call(self._start_on_loop)
         except BaseException:
             self._rows.release()
             self._loop.release()
@@ -235,7 +238,7 @@ class _KvtierTier(SecondaryTierManager):
 
     # --- loop side -------------------------------------------------------------------------
     async def _start_on_loop(self) -> kbase.SecondaryTier:
-        tier = KvtierTierFactory.create(self._config, self._context)
+        tier = self._tier = KvtierTierFactory.create(self._config, self._context)
         tier.set_wakeup(self._wake)
         tier.set_removal_listener(self._removed)
         self._loop_handle = asyncio.get_running_loop()
@@ -255,12 +258,23 @@ class _KvtierTier(SecondaryTierManager):
         self._pump_scheduled = False
         tier = self._tier
         for result in tier.get_finished_jobs():
-            self._inbox.append(("result", result))
+            keys = self._loop_jobs.pop(result.job_id, ())
+            # A stored chunk the tier already dropped again (evicted by a later chunk of the same
+            # job) must not read as present: pass on only what the tier still holds.
+            held = [k for k in keys if tier.known(k) is not False] if result.success else []
+            self._inbox.append(("result", result, held))
         events = tier.take_events()
         if events:
             self._inbox.append(("events", events))
         if self._waiting:
             self._answer(list(self._waiting))
+
+    def _submit_on_loop(self, job: kbase.TransferJob) -> None:
+        if not job.is_promotion:
+            self._loop_jobs[job.job_id] = job.keys
+            self._tier.submit_store(job)
+        else:
+            self._tier.submit_load(job)
 
     def _probe(self, keys: Sequence[bytes]) -> None:
         self._answer(keys)
@@ -354,9 +368,9 @@ class _KvtierTier(SecondaryTierManager):
         kjob = kbase.TransferJob(job_id=job.job_id, keys=keys, slot_ids=slots,
                                  is_promotion=is_promotion, submit_time=job.submit_time)
         if self._closed:
-            self._inbox.append(("result", kbase.JobResult(job.job_id, False, is_promotion, failure_reason="closed")))
+            self._inbox.append(("result", kbase.JobResult(job.job_id, False, is_promotion, failure_reason="closed"), ()))
             return
-        self._outbox.append((self._tier.submit_load if is_promotion else self._tier.submit_store, (kjob,)))
+        self._outbox.append((self._submit_on_loop, (kjob,)))
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         if self._inbox:
@@ -399,7 +413,7 @@ class _KvtierTier(SecondaryTierManager):
                 if args and isinstance(args[0], kbase.TransferJob):
                     job = args[0]
                     self._inbox.append(("result", kbase.JobResult(job.job_id, False, job.is_promotion,
-                                                                  failure_reason="closed")))
+                                                                  failure_reason="closed"), ()))
 
     def _absorb(self) -> None:
         """Apply what the loop posted, in the order it was posted (scheduler side)."""
@@ -412,7 +426,7 @@ class _KvtierTier(SecondaryTierManager):
                 self._asked.pop(key, None)
                 self._remember(key, present)
             elif kind == "result":
-                self._finish(item[1])
+                self._finish(item[1], item[2])
             elif kind == "removed":
                 for key in item[1]:
                     self._remember(key, False)
@@ -427,7 +441,7 @@ class _KvtierTier(SecondaryTierManager):
         verdicts.pop(key, None)
         verdicts[key] = True if present else time.monotonic() + self._negative_ttl_s
 
-    def _finish(self, result: kbase.JobResult) -> None:
+    def _finish(self, result: kbase.JobResult, held: Sequence[bytes]) -> None:
         entry = self._jobs.pop(result.job_id, None)
         if entry is None:
             logger.error("tier %s: result for unknown job %s ignored", self.label, result.job_id)
@@ -443,7 +457,7 @@ class _KvtierTier(SecondaryTierManager):
                 successful_keys = [k for k in keys if k in loaded] or None
         elif result.success:
             verdicts = self._verdicts
-            for key in keys:
+            for key in held:
                 if verdicts.get(key) is not True:
                     verdicts.pop(key, None)  # a newer fact goes to the end (oldest forgotten first)
                     verdicts[key] = True
@@ -466,9 +480,20 @@ class _KvtierTier(SecondaryTierManager):
 
     # --- blocking calls vLLM allows ------------------------------------------------------------
     def drain_jobs(self) -> None:
-        if not self._closed:
-            self._flush_outbox()
-            self._loop.call(self._drain_on_loop)
+        if self._closed:
+            return
+        self._flush_outbox()
+        if not self._loop.is_alive:  # cannot happen unless a bug killed the loop: fail, never hang
+            self._fail_everything()
+            return
+        self._loop.call(self._drain_on_loop)
+
+    def _fail_everything(self) -> None:
+        """Report every unfinished job failed and forget unanswered probes (the loop is gone)."""
+        for job_id, (_keys, is_promotion) in list(self._jobs.items()):
+            self._inbox.append(("result", kbase.JobResult(job_id, False, is_promotion, failure_reason="closed"), ()))
+        self._asked.clear()
+        self._absorb()
 
     def shutdown(self) -> None:
         if self._closed:
@@ -476,7 +501,10 @@ class _KvtierTier(SecondaryTierManager):
         self._flush_outbox()  # queued jobs reach the tier and are reported (cancelled if need be)
         self._closed = True
         try:
-            self._loop.call(self._close_on_loop)
+            if self._loop.is_alive:
+                self._loop.call(self._close_on_loop)
+            else:
+                self._fail_everything()
         finally:
             self._rows.release()
             self._loop.release()
