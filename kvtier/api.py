@@ -228,6 +228,7 @@ class Engine:
                 rank=self.tp_rank,
                 kv_events_enabled=self.kv_events_enabled,
                 self_describing_kv_events=self.config.self_describing_kv_events,
+                hash_algorithm=self._hasher.algorithm,
             )
             tier = SecondaryTierFactory.create(tier_cfg, context)
             if getattr(tier, "requires_asyncio", False) and not on_asyncio:

@@ -433,6 +433,28 @@ def _env_port() -> tuple[Any, str]:
         return raw, "VLLM_P2P_SIDE_CHANNEL_PORT"  # rejected by the int rule, with the var named
 
 
+def _env_number(var: str, default: float, kind: type) -> Callable[[], tuple[Any, str]]:
+    """An ``env_default``: ``$var`` parsed as ``kind`` (left unparsed when it is not a number,
+    so the key's own rule rejects it, naming the variable), else ``default``."""
+
+    def read() -> tuple[Any, str]:
+        raw = os.environ.get(var)
+        if raw is None or raw == "":
+            return default, var
+        try:
+            return kind(raw), var
+        except ValueError:
+            return raw, var
+
+    return read
+
+
+def _only_ucx(value: Any) -> str | None:
+    if tuple(b.upper() for b in value) != ("UCX",):
+        return "kvtier's p2p data plane is UCX (ucxx); only [\"UCX\"] is supported"
+    return None
+
+
 _MODULE = KeySpec("str", default=None, nullable=True, non_empty=True, max_len=512,
                   check=_module_path, help="dotted module path")
 _THREADS = KeySpec("int", default=16, ge=1, le=1024)
@@ -480,6 +502,14 @@ STORE_CONFIG_SCHEMA: Mapping[str, KeySpec] = {
     "ca_bundle": KeySpec("str", default="", max_len=4096, check=_no_nul),
 }
 
+_KEY_FILE = KeySpec("str", non_empty=True, max_len=4096, check=_no_nul)
+#: ``auth`` of a p2p tier: CurveZMQ on the control plane (reference §5 has no authentication).
+P2P_AUTH_SCHEMA: Mapping[str, KeySpec] = {
+    "curve_secret_key_file": _KEY_FILE,
+    "curve_public_key_file": _KEY_FILE,
+    "trusted_public_keys_dir": _KEY_FILE,
+}
+
 #: Type-specific keys of the built-in tiers (CONFIG.md "Secondary tier dictionaries").
 TIER_SCHEMAS: Mapping[str, Mapping[str, KeySpec]] = {
     "fs": {
@@ -516,9 +546,18 @@ TIER_SCHEMAS: Mapping[str, Mapping[str, KeySpec]] = {
     "p2p": {
         "host": KeySpec("str", non_empty=True, max_len=255, check=_no_nul, env_default=_env_host),
         "port": KeySpec("int", ge=1, le=65535, env_default=_env_port),
-        "backends": KeySpec("str_list", default=("UCX",)),
-        "num_threads": KeySpec("int", default=4, ge=1, le=256),
+        "backends": KeySpec("str_list", default=("UCX",), check=_only_ucx),
+        "num_threads": KeySpec("int", default=4, ge=1, le=256,
+                               help="chunk transfers in flight per fetch"),
         "unbound_store_timeout_s": KeySpec("float", default=60.0, gt=0),
+        "max_peers": KeySpec("int", ge=1, le=4096, env_default=_env_number("VLLM_P2P_MAX_PEERS", 128, int)),
+        "handshake_timeout_s": KeySpec("float", gt=0, env_default=_env_number(
+            "VLLM_P2P_HANDSHAKE_TIMEOUT_S", 30.0, float)),
+        "lookup_timeout_s": KeySpec("float", default=30.0, gt=0),
+        "load_timeout_s": KeySpec("float", default=30.0, gt=0),
+        "idle_timeout_s": KeySpec("float", ge=0, env_default=_env_number("VLLM_P2P_IDLE_TIMEOUT_S", 300.0, float),
+                                  help="0 disables idle reaping"),
+        "auth": KeySpec("mapping", default=None, nullable=True, schema=P2P_AUTH_SCHEMA),
     },
 }
 BUILTIN_TIER_TYPES: tuple[str, ...] = tuple(sorted(TIER_SCHEMAS))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 from typing import Any
 
 import pytest
@@ -287,6 +288,12 @@ TIER_DEFAULTS: dict[str, dict[str, Any]] = {
         "backends": ("UCX",),
         "num_threads": 4,
         "unbound_store_timeout_s": 60.0,
+        "max_peers": 128,
+        "handshake_timeout_s": 30.0,
+        "lookup_timeout_s": 30.0,
+        "load_timeout_s": 30.0,
+        "idle_timeout_s": 300.0,
+        "auth": None,
     },
 }
 
@@ -388,15 +395,44 @@ def test_full_obj_tier_config_is_normalised() -> None:
 def test_full_p2p_and_memory_tier_configs_are_normalised() -> None:
     config = EngineConfig.from_dict(tiering(
         memory(capacity_bytes=123, locality="Local"),
-        p2p(host="10.1.2.3", port=6000, backends=["UCX", "GDS"], num_threads=8,
-            unbound_store_timeout_s=5),
+        p2p(host="10.1.2.3", port=6000, backends=["ucx"], num_threads=8,
+            unbound_store_timeout_s=5, max_peers=4, load_timeout_s=2,
+            auth={"curve_secret_key_file": "/k/me.key_secret", "curve_public_key_file": "/k/me.key",
+                  "trusted_public_keys_dir": "/k/trusted"}),
     ))
     mem, peer = config.secondary_tiers
     assert mem.options == {"capacity_bytes": 123}
     assert mem.locality is Locality.LOCAL
     assert peer.label == "2:p2p"
-    assert peer.options["backends"] == ("UCX", "GDS")
+    assert peer.options["backends"] == ("ucx",)
     assert peer.options["unbound_store_timeout_s"] == 5.0
+    assert peer.options["max_peers"] == 4 and peer.options["load_timeout_s"] == 2.0
+    assert peer.options["auth"]["trusted_public_keys_dir"] == "/k/trusted"
+
+
+@pytest.mark.parametrize(("entry", "key"), [
+    ({"backends": ["UCX", "GDS"]}, "backends"),  # only UCX moves kvtier's bytes: not accepted and ignored
+    ({"max_peers": 0}, "max_peers"),
+    ({"load_timeout_s": 0}, "load_timeout_s"),
+    ({"idle_timeout_s": -1}, "idle_timeout_s"),
+    ({"auth": {"curve_secret_key_file": "/a"}}, "auth.curve_public_key_file"),
+    ({"auth": {"curve_secret_key_file": "/a", "curve_public_key_file": "/b", "trusted_public_keys_dir": "/c",
+               "extra": 1}}, "auth.extra"),
+])
+def test_bad_p2p_keys_are_config_errors_naming_the_key(entry: dict[str, Any], key: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(f"secondary_tiers[0].{key}")):
+        EngineConfig.from_dict(tiering(p2p(**entry)))
+
+
+def test_p2p_env_defaults_for_the_new_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_P2P_MAX_PEERS", "7")
+    monkeypatch.setenv("VLLM_P2P_HANDSHAKE_TIMEOUT_S", "2.5")
+    monkeypatch.setenv("VLLM_P2P_IDLE_TIMEOUT_S", "0")
+    tier = EngineConfig.from_dict(tiering(p2p())).secondary_tiers[0]
+    assert (tier.options["max_peers"], tier.options["handshake_timeout_s"], tier.options["idle_timeout_s"]) == (7, 2.5, 0.0)
+    monkeypatch.setenv("VLLM_P2P_MAX_PEERS", "many")
+    with pytest.raises(ConfigError, match="VLLM_P2P_MAX_PEERS"):
+        EngineConfig.from_dict(tiering(p2p()))
 
 
 def test_out_of_tree_tier_keys_pass_through_unvalidated() -> None:

@@ -82,6 +82,11 @@ EXPECTED: dict[str, list[tuple[tuple[str, ...], tuple[str, ...]]]] = {
         "engine A stored 96 tokens (6 chunks)",
         "engine B loaded 96 tokens, by tier {'1:obj': 96}; bytes identical: True",
     ))],
+    "p2p_tier.py": [((), (
+        "prefill: stored 128 tokens for example-request-1, parked for the decoder",
+        "decode: loaded 128 of 128 tokens from the prefill process; contents match: True",
+        "p2p_tier: the decode process got the prefill process's KV",
+    ))],
 }
 
 RUNS = [

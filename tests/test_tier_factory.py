@@ -103,13 +103,8 @@ def test_unknown_type_without_module_path_is_a_config_error() -> None:
         SecondaryTierFactory.create(config("nope"), context())
 
 
-def test_p2p_is_validated_but_refused_with_a_clear_error() -> None:
-    from kvtier.config import EngineConfig
-    from kvtier.errors import ConfigError
-    from kvtier.tiers.factory import SecondaryTierFactory
+def test_p2p_is_a_built_in_type() -> None:
+    from kvtier.tiers.p2p.tier import P2PTier
 
-    config = EngineConfig.from_dict({"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1 << 20,
-                                     "secondary_tiers": [{"type": "p2p", "port": 5710}]})
-    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].type = 'p2p'.*not available"):
-        SecondaryTierFactory.get_class("p2p", where="secondary_tiers[0]")
-    assert config.secondary_tiers[0].type == "p2p"
+    assert SecondaryTierFactory.get_class("p2p", where="secondary_tiers[0]") is P2PTier
+    assert "p2p" in SecondaryTierFactory.registered_types()

@@ -228,6 +228,7 @@ class TierContext:
     rank: int = 0
     kv_events_enabled: bool = False  # global events switch (tier also needs enable_kv_events)
     self_describing_kv_events: bool = False
+    hash_algorithm: str = "sha256"  # block hashing: p2p peers compare its NONE_HASH seed
 
 
 @dataclass

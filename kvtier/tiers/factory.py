@@ -31,6 +31,7 @@ class SecondaryTierFactory:
         "faulty": ("kvtier.tiers.faulty", "FaultyTier"),
         "fs": ("kvtier.tiers.fs", "FileSystemTier"),
         "obj": ("kvtier.tiers.obj", "ObjectStoreTier"),
+        "p2p": ("kvtier.tiers.p2p.tier", "P2PTier"),
     }
     _warned_out_of_tree: ClassVar[set[tuple[str, str]]] = set()
 
@@ -60,13 +61,6 @@ class SecondaryTierFactory:
             module_name, class_name = entry
         elif module_path:
             module_name, class_name = module_path, type_name
-        elif type_name == "p2p":
-            # Its keys are validated (configs written for vLLM stay valid), but the tier itself
-            # is not part of this release.
-            raise ConfigError(
-                f"invalid {where}.type = 'p2p': the p2p tier is not available in this kvtier "
-                "release; remove the entry or use 'fs' / 'obj'"
-            )
         else:
             raise ConfigError(
                 f"invalid {where}.type = {type_name!r}: unknown tier type; expected one of "
