@@ -548,7 +548,7 @@ TIER_SCHEMAS: Mapping[str, Mapping[str, KeySpec]] = {
         "port": KeySpec("int", ge=1, le=65535, env_default=_env_port),
         "backends": KeySpec("str_list", default=("UCX",), check=_only_ucx),
         "num_threads": KeySpec("int", default=4, ge=1, le=256,
-                               help="chunk transfers in flight per fetch"),
+                               help="a fetch keeps 16 x this chunk transfers in flight"),
         "unbound_store_timeout_s": KeySpec("float", default=60.0, gt=0),
         "max_peers": KeySpec("int", ge=1, le=4096, env_default=_env_number("VLLM_P2P_MAX_PEERS", 128, int)),
         "handshake_timeout_s": KeySpec("float", gt=0, env_default=_env_number(

@@ -31,6 +31,7 @@ RUNS: dict[str, tuple[list[str], list[str]]] = {
         ["256K  cross-layer   in order", "manager lookup, 1000-chunk prefix of host hits"],
     ),
     "obj_tier.py": (["--chunks", "4", "--rounds", "1"], ["store", "load", "raw MiB/s"]),
+    "p2p_tier.py": (["--tiny"], ["raw GiB/s", "256 KiB", "2 MiB"]),
     "verify.py": (
         ["--chunks", "16", "--chunk-kib", "64", "--trials", "2", "--passes", "1", "--threads", "2"],
         ["16 chunk files x 64 KiB", "raw GiB/s", "verify GiB/s", "median", "target ratio >= 0.8"],

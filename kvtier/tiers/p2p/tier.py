@@ -151,6 +151,8 @@ class P2PTier(SecondaryTier):
         self.host: str = options["host"]
         self.port: int = options["port"]
         self.num_threads: int = options.get("num_threads", 4)
+        #: Chunk transfers in flight per fetch, on each side.
+        self.transfers_in_flight = 16 * self.num_threads
         self.unbound_store_timeout_s: float = options.get("unbound_store_timeout_s", 60.0)
         self.max_peers: int = options.get("max_peers", 128)
         self.handshake_timeout_s: float = options.get("handshake_timeout_s", 30.0)
@@ -483,28 +485,41 @@ class P2PTier(SecondaryTier):
                 self._fail(record, "peer_lost")
                 return
             views = host.views(job.slot_ids)
-            waiter = client.done_waiters[(rid, round_seq)] = anyio.Event()
+            done_key = (rid, round_seq)
+            waiter = client.done_waiters[done_key] = anyio.Event()
+            failures: list[BaseException] = []
             try:
-                async with anyio.create_task_group() as tg:
-                    limiter = anyio.Semaphore(max(1, self.num_threads) * 4)
-                    failures: list[BaseException] = []
+                async with anyio.create_task_group() as outer:
+                    link = client.link
+                    limiter = anyio.Semaphore(self.transfers_in_flight)
 
                     async def receive(i: int) -> None:
                         async with limiter:
                             try:
-                                await client.link.recv(views[i], chunk_tag(rid, round_seq, i))  # type: ignore[union-attr]
+                                await link.recv(views[i], chunk_tag(rid, round_seq, i))
                             except Exception as exc:  # DataPlaneError, or a bug: the load fails
                                 failures.append(exc)
-                                tg.cancel_scope.cancel()
+                                outer.cancel_scope.cancel()
 
-                    for i in range(len(views)):
-                        tg.start_soon(receive, i)
-                    self._client_send(client.peer_id, p.Fetch(
-                        kv_request_id=rid, keys=list(job.keys), block_indexes=list(job.slot_ids),
-                        round_seq=round_seq))
-                if not failures:
-                    await waiter.wait()
-                    ok = client.done.pop((rid, round_seq), False) and not client.dead
+                    async def watch() -> None:
+                        # The producer gave up (TransferDone(success=False)) or the session died:
+                        # stop waiting for chunks that will not come.
+                        await waiter.wait()
+                        if not client.done.get(done_key, False) or client.dead:
+                            failures.append(DataPlaneError("peer_failed", "the producer could not serve"))
+                            outer.cancel_scope.cancel()
+
+                    outer.start_soon(watch)
+                    async with anyio.create_task_group() as receives:
+                        for i in range(len(views)):
+                            receives.start_soon(receive, i)
+                        self._client_send(client.peer_id, p.Fetch(
+                            kv_request_id=rid, keys=list(job.keys), block_indexes=list(job.slot_ids),
+                            round_seq=round_seq))
+                    # Every chunk arrived whole (UCX matched each tag and size): the fetch is
+                    # done; the producer's TransferDone only confirms it.
+                    outer.cancel_scope.cancel()
+                ok = not failures and not client.dead
             finally:
                 client.done_waiters.pop((rid, round_seq), None)
                 client.done.pop((rid, round_seq), None)
@@ -710,7 +725,7 @@ class P2PTier(SecondaryTier):
                 host = self.context.host
                 assert host is not None and served.link is not None
                 sources = self._sources(rid, wanted)
-                limiter = anyio.Semaphore(max(1, self.num_threads) * 4)
+                limiter = anyio.Semaphore(self.transfers_in_flight)
                 failures: list[BaseException] = []
                 async with anyio.create_task_group() as tg:
                     async def send(key: bytes, slot: int) -> None:
