@@ -350,3 +350,43 @@ async def test_the_p2p_tier_refuses_trio(anyio_backend: str) -> None:
     with pytest.raises(kvtier.ConfigError, match="requires the asyncio"):
         async with kvtier.open(config, geometry):
             pass
+
+
+def test_a_bound_fetch_outlives_the_unbound_timeout_while_stores_trickle_in() -> None:
+    """The timeout is for stores nobody asked for: once a fetch bound the id, slow stores still
+    reach it (review finding: the bound id used to be reaped under the waiting fetch)."""
+    producer = Peer("slow-producer", [p2p(free_port(), unbound_store_timeout_s=1)])
+    consumer = Peer("patient", [p2p(free_port(), load_timeout_s=20)])
+    try:
+        producer.call("store", prompt=80, tokens=TOKENS // 2, params=decoder("split"))
+        load = consumer.send("load", prompt=80, tokens=TOKENS, params=prefiller(producer, "split"))
+        producer.wait_stats(lambda s: s["p2p"]["p2p_waiting_fetches"][""] == 1)
+        time.sleep(2.0)  # past unbound_store_timeout_s, with the fetch bound and waiting
+        assert producer.call("stats")["p2p"]["p2p_reaped_ids"].get("", 0) == 0
+        producer.call("store", prompt=80, tokens=TOKENS, params=decoder("split"))
+        got = consumer.answer(load)
+        assert got["loaded"] == TOKENS and got["ok"]
+        assert no_pins(producer.wait_stats(no_pins))
+    finally:
+        consumer.close()
+        producer.close()
+
+
+def test_both_directions_between_two_peers_are_independent() -> None:
+    """A consumes from B and serves B over the same pair of sockets; A's idle consumer session
+    being closed must not cut B's session with A (review finding)."""
+    a = Peer("a", [p2p(free_port(), idle_timeout_s=1, max_peers=1)])
+    b = Peer("b", [p2p(free_port())])
+    try:
+        b.call("store", prompt=90, tokens=TOKENS, params=decoder("b-1"))
+        assert a.call("load", prompt=90, tokens=TOKENS, params=prefiller(b, "b-1"))["ok"]
+        a.call("store", prompt=91, tokens=TOKENS, params=decoder("a-1"))
+        assert b.call("load", prompt=91, tokens=TOKENS, params=prefiller(a, "a-1"))["ok"]
+        time.sleep(2.5)  # a's consumer session to b is idle past idle_timeout_s and closed
+        for i in range(3):
+            a.call("store", prompt=92 + i, tokens=TOKENS, params=decoder(f"a-{2 + i}"))
+            got = b.call("load", prompt=92 + i, tokens=TOKENS, params=prefiller(a, f"a-{2 + i}"))
+            assert got["loaded"] == TOKENS and got["ok"], i
+    finally:
+        b.close()
+        a.close()

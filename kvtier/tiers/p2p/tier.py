@@ -174,6 +174,8 @@ class P2PTier(SecondaryTier):
         self._arrived: dict[str, anyio.Event] = {}  # kv_request_id -> set when a store is parked
         self._reaped: OrderedDict[str, float] = OrderedDict()  # kv_request_id -> until
         self._finish_later: list[RequestContext] = []  # remote lookup contexts to finish
+        self._sending: dict[str, int] = {}  # kv_request_id -> fetches sending from its slots now
+        self._release_after: dict[str, tuple[bool, str]] = {}  # releases waiting for those sends
         # consumer
         self._clients: dict[str, _Client] = {}
         self._backoff: dict[str, tuple[float, float]] = {}  # peer -> (retry at, next delay)
@@ -445,8 +447,8 @@ class P2PTier(SecondaryTier):
                 self._failed[rid] = now + REAPED_ID_RETENTION_S
         if client.link is not None and self._tg is not None:
             self._tg.start_soon(_close_quietly, client.link)
-        if self._control is not None:
-            self._control.drop(peer)
+        if self._control is not None and peer not in self._served:
+            self._control.drop(peer)  # the DEALER also carries our answers while we serve the peer
         self._update_gauges()
         self._notify()
 
@@ -506,7 +508,7 @@ class P2PTier(SecondaryTier):
                         # stop waiting for chunks that will not come.
                         await waiter.wait()
                         if not client.done.get(done_key, False) or client.dead:
-                            failures.append(DataPlaneError("peer_failed", "the producer could not serve"))
+                            failures.append(_PeerGaveUp())
                             outer.cancel_scope.cancel()
 
                     outer.start_soon(watch)
@@ -597,7 +599,20 @@ class P2PTier(SecondaryTier):
         self._update_gauges()
 
     def _release(self, rid: str, success: bool, reason: str) -> None:
-        """Finish every parked job of ``rid`` (pins released by the manager)."""
+        """Finish every parked job of ``rid`` (pins released by the manager).
+
+        While a fetch of ``rid`` is sending from those slots, it is cancelled first and the jobs
+        finish once its sends have stopped: a slot is never unpinned under a running send.
+        """
+        if self._sending.get(rid):
+            self._release_after[rid] = (success, reason)
+            peer = self._bound.get(rid)
+            served = self._served.get(peer) if peer is not None else None
+            if served is not None:
+                for (fetch_rid, _round), scope in served.fetching.items():
+                    if fetch_rid == rid:
+                        scope.cancel()
+            return
         for parked in self._parked.pop(rid, []):
             if success:
                 self._succeed(parked.record, time.monotonic() - parked.parked_at, 0)
@@ -682,6 +697,10 @@ class P2PTier(SecondaryTier):
             served.bound.discard(rid)
             self._end_remote_lookup(served, rid)
             return
+        if len(set(msg.keys)) != len(msg.keys):
+            self._violation(peer, "duplicate_keys")
+            self._control_send(peer, p.TransferDone(kv_request_id=rid, success=False, round_seq=msg.round_seq))
+            return
         if rid in self._reaped:
             self._control_send(peer, p.TransferDone(kv_request_id=rid, success=False, round_seq=msg.round_seq))
             return
@@ -719,6 +738,9 @@ class P2PTier(SecondaryTier):
                             await event.wait()
                         if self._served.get(served.peer_id) is not served:
                             return
+                        if rid in self._reaped:  # released meanwhile: this fetch cannot be served
+                            scope.cancel()
+                            break
                 finally:
                     self._waiting_fetches -= 1
                     self.m_waiting.set(self._waiting_fetches)
@@ -727,18 +749,27 @@ class P2PTier(SecondaryTier):
                 sources = self._sources(rid, wanted)
                 limiter = anyio.Semaphore(self.transfers_in_flight)
                 failures: list[BaseException] = []
-                async with anyio.create_task_group() as tg:
-                    async def send(key: bytes, slot: int) -> None:
-                        async with limiter:
-                            try:
-                                await served.link.send(host.view(slot), chunk_tag(rid, round_seq, wanted[key]))  # type: ignore[union-attr]
-                            except Exception as exc:  # DataPlaneError, or a bug: the fetch fails
-                                failures.append(exc)
-                                tg.cancel_scope.cancel()
+                self._sending[rid] = self._sending.get(rid, 0) + 1
+                try:
+                    async with anyio.create_task_group() as tg:
+                        async def send(key: bytes, slot: int) -> None:
+                            async with limiter:
+                                try:
+                                    await served.link.send(host.view(slot), chunk_tag(rid, round_seq, wanted[key]))  # type: ignore[union-attr]
+                                except Exception as exc:  # DataPlaneError, or a bug: the fetch fails
+                                    failures.append(exc)
+                                    tg.cancel_scope.cancel()
 
-                    for key, slot in sources.items():
-                        tg.start_soon(send, key, slot)
-                success = not failures
+                        for key, slot in sources.items():
+                            tg.start_soon(send, key, slot)
+                    success = not failures
+                finally:
+                    self._sending[rid] -= 1
+                    if not self._sending[rid]:
+                        del self._sending[rid]
+                        later = self._release_after.pop(rid, None)
+                        if later is not None:
+                            self._release(rid, *later)
         served.fetching.pop((rid, round_seq), None)
         if self._served.get(served.peer_id) is not served:
             return
@@ -818,8 +849,9 @@ class P2PTier(SecondaryTier):
         for stale in {id(x): x for x in (link, served.link) if x is not None}.values():
             if self._tg is not None:
                 self._tg.start_soon(_close_quietly, stale)
-        if self._control is not None:
-            self._control.drop(peer)
+        client = self._clients.get(peer)
+        if self._control is not None and (client is None or client.dead):
+            self._control.drop(peer)  # the DEALER also carries our requests while we consume
         self._update_gauges()
 
     # --- producer: a peer's lookups ------------------------------------------------------------
@@ -930,6 +962,11 @@ class P2PTier(SecondaryTier):
         return None
 
     # --- timeouts ------------------------------------------------------------------------------
+    def _near_session_cap(self) -> bool:
+        """Idle sessions are closed only when sessions run short (reference §5.6)."""
+        live = sum(not c.dead for c in self._clients.values())
+        return live >= self.max_peers - min(8, self.max_peers - 1)
+
     async def _housekeeping(self) -> None:
         while True:
             await anyio.sleep(HOUSEKEEPING_S)
@@ -942,9 +979,12 @@ class P2PTier(SecondaryTier):
                     self.m_refused.inc(1, "handshake_timeout")
                     self._client_died(peer, "handshake_timeout")
                 elif self.idle_timeout_s and now - client.last_activity > self.idle_timeout_s and \
-                        not client.done_waiters and not any(pr.peer_id == peer for pr in self._probes.values()):
+                        not client.done_waiters and not any(pr.peer_id == peer for pr in self._probes.values()) \
+                        and self._near_session_cap():
                     self._client_died(peer, "idle")
             for rid, parked in list(self._parked.items()):
+                if rid in self._bound:  # a consumer's fetch bound it: its session decides
+                    continue
                 if parked and now - min(x.parked_at for x in parked) > self.unbound_store_timeout_s:
                     logger.warning("tier %s: request %s was never fetched within %.0f s; releasing it",
                                    self.label, rid, self.unbound_store_timeout_s)
@@ -973,6 +1013,10 @@ def _fingerprint(context: TierContext) -> str:
         fields["kvtier_page_shape"] = list(geometry.page_shape)
         fields["kvtier_chunk_bytes"] = geometry.chunk_bytes(context.blocks_per_chunk)
     return run_fingerprint(fields).hex()[:16] if fields else ""
+
+
+class _PeerGaveUp(Exception):
+    """The producer answered TransferDone(success=False), or the session died, mid-fetch."""
 
 
 def _ignore(peer: str, msg: p.Message) -> None:
