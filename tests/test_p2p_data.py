@@ -179,6 +179,9 @@ async def test_killed_producer_fails_pending_receives(producer: Producer, consum
                 tg.start_soon(collect, errors, link.recv, dst[i], chunk_tag("k", 0, i))
             producer.tell(f"send k {count} {nbytes} 0 0 {count // 2}")  # half the chunks, then idle
             await producer.answer("sent")
+            # The producer's sends completing does not mean this side has taken them in yet.
+            while consumer.statistics().bytes_received < count // 2 * nbytes:
+                await anyio.sleep(0.01)
             os.kill(producer.proc.pid, signal.SIGKILL)
     assert len(errors) == count // 2
     for i in range(count // 2):  # what arrived before the kill is intact
@@ -306,3 +309,15 @@ async def test_a_malformed_token_is_a_data_plane_error(pair: tuple[DataPlane, Li
         assert bad.value.reason == "bad_token"
     finally:
         await client.aclose()
+
+
+def test_without_ucxx_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from kvtier.errors import ConfigError
+    from kvtier.tiers.p2p import data
+
+    monkeypatch.setattr(data, "_ucxx_module", None)
+    monkeypatch.setitem(sys.modules, "ucxx", None)  # "not installed"
+    with pytest.raises(ConfigError, match=r"kvtier\[p2p\]"):
+        data._ucxx()

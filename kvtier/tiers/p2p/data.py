@@ -174,7 +174,15 @@ def _ucxx() -> Any:
     if _ucxx_module is None:
         # ucxx sets UCX_MEMTYPE_CACHE, which libucx >= 1.19 no longer knows: it would warn on stderr.
         os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-        import ucxx  # type: ignore[import-untyped]
+        try:
+            import ucxx  # type: ignore[import-untyped]
+        except ImportError as exc:
+            from kvtier.errors import ConfigError
+
+            raise ConfigError(
+                f"the p2p tier needs ucxx, which is not importable here ({exc}): "
+                "pip install 'kvtier[p2p]'"
+            ) from None
 
         mode = os.environ.get("UCXPY_PROGRESS_MODE") or PROGRESS_MODE
         futures = None if "UCXPY_ENABLE_PYTHON_FUTURE" in os.environ else mode.startswith("thread")
