@@ -35,6 +35,7 @@ Requires asyncio (ucxx's asynchronous API does): ``kvtier.open`` refuses it unde
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -640,9 +641,12 @@ class P2PTier(SecondaryTier):
         if problem is not None:
             logger.error("tier %s: consumer %s refused: %s", self.label, peer, problem)
             self.m_refused.inc(1, problem.split(":", 1)[0])
-            with _suppress():
+            with contextlib.suppress(Exception):
                 self._control.connect(peer)
                 self._control.send(peer, p.Disconnect(reason=problem[:200]))
+                client = self._clients.get(peer)
+                if client is None or client.dead:
+                    self._control.drop(peer)  # closes after its linger: the Disconnect goes out
             return
         if old is not None:  # the consumer restarted: what it had bound is gone
             self._served_died(peer, "reconnected")
@@ -1029,12 +1033,3 @@ async def _close_quietly(link: Link) -> None:
             await link.close()
         except Exception:
             pass
-
-
-class _suppress:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return True
-
