@@ -35,7 +35,6 @@ Exit status: 0 when the chunk files are (or, with ``--dry-run``, would be) at or
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -136,8 +135,7 @@ def run_gc_cli(argv: Sequence[str], *, out: TextIO | None = None) -> int:
 def _gc(args: argparse.Namespace, root_fd: int, out: TextIO) -> int:
     report = gc_root(root_fd, args.root, max_bytes=args.max_bytes, dry_run=args.dry_run)
     if args.json:
-        json.dump(report, out, indent=2, sort_keys=True)
-        out.write("\n")
+        _runs.write_json(report, out)
     else:
         verb = "would remove" if args.dry_run else "removed"
         for item in report["removed"]:

@@ -45,7 +45,6 @@ not exist or is not a directory).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import threading
 import time
@@ -213,8 +212,7 @@ def run_inspect_cli(argv: Sequence[str], *, out: TextIO | None = None) -> int:
 def _inspect(args: argparse.Namespace, root_fd: int, out: TextIO) -> int:
     report = inspect_root(root_fd, args.root, slot_bytes=args.slot_bytes, scan_threads=args.scan_threads)
     if args.json:
-        json.dump(report, out, indent=2, sort_keys=True)
-        out.write("\n")
+        _runs.write_json(report, out)
     else:
         _print_text(report, out)
     return 1 if _has_problems(report) else 0

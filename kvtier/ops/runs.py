@@ -131,6 +131,12 @@ class TreeListing:
         self.stray.extend(other.stray)
 
 
+def write_json(report: dict[str, Any], out: TextIO) -> None:
+    """An operator command's ``--json`` output: one indented document with sorted keys."""
+    json.dump(report, out, indent=2, sort_keys=True)
+    out.write("\n")
+
+
 def open_root(path: str) -> int:
     """A directory descriptor of ROOT (which may itself be a link); :class:`RootError` otherwise."""
     try:

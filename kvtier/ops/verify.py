@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import mmap
 import os
 import struct
@@ -400,8 +399,7 @@ def _verify(args: argparse.Namespace, root_fd: int, out: TextIO) -> int:
     report = verify_root(root_fd, args.root, threads=args.threads, run_filter=args.run, repair=args.repair,
                          slot_bytes=args.slot_bytes, tmp_grace_s=args.tmp_grace)
     if args.json:
-        json.dump(report, out, indent=2, sort_keys=True)
-        out.write("\n")
+        _runs.write_json(report, out)
         print(f"kvtier verify: {report['gib_per_s']:.2f} GiB/s", file=sys.stderr)
     else:
         _print_text(report, out)
