@@ -322,8 +322,9 @@ def _parse_section(
 
 
 def _parse_backpressure(value: Any, path: str, *, require_cls: bool) -> dict[str, Any]:
-    """Back-pressure settings (reference §2.12): kvtier only validates and keeps them (it has
-    no detectors yet).
+    """Back-pressure settings (reference §2.12): their shape is checked here; the engine's
+    spec builds one detector per tier from the merged settings (``kvtier.backpressure``), which
+    resolves the classes and rejects any argument the detector does not take.
 
     ``backpressure_cls`` (a short name or a dotted path) is required in the top-level dict; a
     tier's dict is merged over it field by field, so there it is required only when the

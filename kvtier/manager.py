@@ -15,6 +15,11 @@ the request's ``kv_load_tiers``). A secondary hit allocates a host slot at once 
 of one (tier, request) are submitted as one job at ``on_schedule_end``. A failed promotion frees
 its slots and the key becomes a miss: the request recomputes, it never sees garbage.
 
+Back-pressure: a tier configured with a ``backpressure`` detector (``kvtier.backpressure``) is
+asked before each store job to it; a store it sheds creates no job and pins nothing (the host
+copy and the other tiers are unaffected), loads are never throttled, and the tier's store results
+feed its detector. Pressure turning on or off is logged once per change.
+
 Invariants (property-tested): every job submitted to a tier is accounted exactly once; a slot
 pinned for a job is unpinned exactly once when its result is processed; promotions are never
 duplicated; a key whose load failed is not re-promoted from a stale verdict (the tier base
@@ -31,12 +36,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvtier.backpressure import build_detectors
 from kvtier.context import RequestContext
 from kvtier.errors import ConfigError
 from kvtier.stats import LATENCY_BUCKETS, Histogram, HistogramSnapshot
 from kvtier.types import CacheHitSource, LookupResult, OffloadingEvent, OffloadPolicy
 
 if TYPE_CHECKING:
+    from kvtier.backpressure import BackpressureDetector
     from kvtier.config import EngineConfig
     from kvtier.tiers.base import JobResult, SecondaryTier, TransferJob
     from kvtier.tiers.cpu import HostTier, PrepareStoreOutput
@@ -55,6 +62,8 @@ __all__ = [
 logger = logging.getLogger("kvtier.manager")
 
 PRIMARY_LABEL = "0:primary"
+#: Store failure reasons that say nothing about the tier's health (the engine is closing).
+_NOT_TIER_FAILURES = frozenset({"closed", "cancelled"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +82,11 @@ class ManagerStatistics:
     cascade_latency: dict[str, dict[str, HistogramSnapshot]]
     jobs_in_flight: int
     promotions_held: bool
+    # Back-pressure, only for tiers that have a detector:
+    backpressure_stores_dropped: dict[str, int] = field(default_factory=dict)
+    backpressure_blocks_dropped: dict[str, int] = field(default_factory=dict)
+    backpressure_store_latency_ema: dict[str, float] = field(default_factory=dict)  # s/MiB
+    backpressure_active: dict[str, bool] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +109,8 @@ class _JobRecord:
     keys: list[bytes]
     is_promotion: bool
     created: float
+    #: Submit time on the tier's back-pressure detector clock (store jobs of a tier that has one).
+    bp_submitted: float | None = None
 
 
 @dataclass(slots=True)
@@ -122,12 +138,21 @@ class TieringManager:
 
     ``tiers[i]`` is secondary tier ``i`` (metric label ``f"{i+1}:{type}"``); it is asked before
     tier ``i+1``. With no secondary tiers the manager is a thin layer over the host tier
-    (``CPUOffloadingSpec``).
+    (``CPUOffloadingSpec``). ``backpressure[i]`` is tier ``i``'s back-pressure detector or
+    ``None`` (co-indexed with ``tiers``; omitted: no tier has one).
     """
 
-    def __init__(self, host: HostTier, tiers: Sequence[SecondaryTier] = ()) -> None:
+    def __init__(self, host: HostTier, tiers: Sequence[SecondaryTier] = (), *,
+                 backpressure: Sequence[BackpressureDetector | None] | None = None) -> None:
         self.host = host
         self.tiers: list[SecondaryTier] = list(tiers)
+        detectors: list[BackpressureDetector | None] = (
+            list(backpressure) if backpressure is not None else [None] * len(self.tiers))
+        if len(detectors) != len(self.tiers):
+            raise ValueError(f"backpressure has {len(detectors)} entries for {len(self.tiers)} tiers")
+        self._detectors: list[BackpressureDetector | None] = detectors
+        #: (under pressure, failure-tripped) last logged per tier, so each change is logged once.
+        self._bp_logged = [(False, False)] * len(self.tiers)
         self._job_ids = itertools.count()
         self._jobs: dict[tuple[int, int], _JobRecord] = {}
         self._pending: dict[tuple[int, str], _PendingPromotion] = {}
@@ -153,6 +178,14 @@ class TieringManager:
         self._cascade_latency = {
             label: {r: Histogram(LATENCY_BUCKETS) for r in ("success", "failure")} for label in labels
         }
+        bp_labels = [label for label, d in zip(labels, detectors) if d is not None]
+        self._bp_stores_dropped = dict.fromkeys(bp_labels, 0)
+        self._bp_blocks_dropped = dict.fromkeys(bp_labels, 0)
+
+    @property
+    def backpressure_detectors(self) -> tuple[BackpressureDetector | None, ...]:
+        """Each tier's back-pressure detector (``None``: the tier takes every store)."""
+        return tuple(self._detectors)
 
     # ------------------------------------------------------------------ request bookkeeping
     def _state(self, ctx: RequestContext) -> _RequestState:
@@ -301,10 +334,62 @@ class TieringManager:
         ready = [k for k in keys if self.host.lookup(k) is LookupResult.HIT]
         if not ready:
             return
+        detector = self._detectors[tier_idx]
+        if detector is not None and not self._admit_store(tier_idx, detector, len(ready)):
+            return  # shed: no job, no pin
         slot_ids = self.host.prepare_read(ready)
         job = TransferJob(next(self._job_ids), ready, slot_ids, is_promotion=False, ctx=ctx)
-        self._jobs[(tier_idx, job.job_id)] = _JobRecord(tier_idx, ready, False, job.submit_time)
+        self._jobs[(tier_idx, job.job_id)] = _JobRecord(
+            tier_idx, ready, False, job.submit_time, detector.clock() if detector is not None else None
+        )
         self.tiers[tier_idx].submit_store(job)
+
+    # ------------------------------------------------------------------ back-pressure
+    def _admit_store(self, tier_idx: int, detector: BackpressureDetector, num_chunks: int) -> bool:
+        """Ask tier ``tier_idx``'s detector once about one store job; count what it sheds."""
+        admitted = detector.should_store(num_chunks)
+        stores, blocks = detector.pop_stores_dropped()
+        label = self._labels[tier_idx]
+        self._bp_stores_dropped[label] += stores
+        self._bp_blocks_dropped[label] += blocks
+        self._log_pressure_change(tier_idx, detector)
+        return admitted
+
+    def _feed_backpressure(self, tier_idx: int, record: _JobRecord, result: JobResult) -> None:
+        """A store job of tier ``tier_idx`` finished: tell its detector (if it has one).
+
+        Success: seconds since submit and the bytes moved (``transfer_bytes``, else keys x slot
+        size). Failure: one failed store, unless the engine itself caused it (closing).
+        """
+        detector = self._detectors[tier_idx]
+        if detector is None or record.bp_submitted is None:
+            return
+        if result.success:
+            nbytes = result.transfer_bytes
+            if nbytes is None:
+                nbytes = len(record.keys) * self.tiers[tier_idx].context.slot_bytes
+            detector.update(record.bp_submitted, nbytes)
+        elif result.failure_reason not in _NOT_TIER_FAILURES:
+            detector.on_store_failed()
+        self._log_pressure_change(tier_idx, detector)
+
+    def _log_pressure_change(self, tier_idx: int, detector: BackpressureDetector) -> None:
+        stats = detector.statistics()
+        state = (stats.under_pressure, stats.failure_tripped)
+        before = self._bp_logged[tier_idx]
+        if state == before:
+            return
+        self._bp_logged[tier_idx] = state
+        label = self._labels[tier_idx]
+        ema = "n/a" if stats.store_latency_ema is None else f"{stats.store_latency_ema:.4g} s/MiB"
+        if stats.failure_tripped and not before[1]:
+            logger.warning("tier %s: back-pressure on after %d consecutive failed stores (latency EMA %s); "
+                           "stores to it are shed", label, stats.consecutive_failures, ema)
+        elif stats.under_pressure and not before[0]:
+            logger.warning("tier %s: back-pressure on (store latency EMA %s); stores to it are shed",
+                           label, ema)
+        elif before[0] and not stats.under_pressure:
+            logger.info("tier %s: back-pressure off (store latency EMA %s)", label, ema)
 
     # ------------------------------------------------------------------ step hooks
     def on_request_finished(self, ctx: RequestContext) -> None:
@@ -409,6 +494,7 @@ class TieringManager:
             self.host.complete_read(record.keys)
             if not result.success:
                 self._cascade_failures[label] += 1
+            self._feed_backpressure(tier_idx, record, result)
 
     def has_pending_work(self) -> bool:
         return bool(self._jobs or self._pending or self.needs_step_end()) or any(
@@ -424,7 +510,10 @@ class TieringManager:
                 raise ValueError(f"create_store_job: chunk {key.hex()[:16]} is not ready in host memory")
         slot_ids = self.host.prepare_read(keys)
         job = TransferJob(next(self._job_ids), keys, slot_ids, is_promotion=False, ctx=ctx)
-        self._jobs[(tier_idx, job.job_id)] = _JobRecord(tier_idx, keys, False, job.submit_time)
+        detector = self._detectors[tier_idx]
+        self._jobs[(tier_idx, job.job_id)] = _JobRecord(
+            tier_idx, keys, False, job.submit_time, detector.clock() if detector is not None else None
+        )
         return job
 
     @property
@@ -466,6 +555,10 @@ class TieringManager:
             state.pending_primary_stores = 0
         self._requests = {rid: s for rid, s in self._requests.items() if not s.is_finished}
         self.host.reset_cache()
+        for idx, detector in enumerate(self._detectors):
+            if detector is not None:
+                detector.reset()
+                self._log_pressure_change(idx, detector)
         self._promotions_held = bool(self.tiers)
 
     def on_reset_flushed(self) -> None:
@@ -479,6 +572,15 @@ class TieringManager:
         return stats
 
     def statistics(self) -> ManagerStatistics:
+        ema: dict[str, float] = {}
+        active: dict[str, bool] = {}
+        for label, detector in zip(self._labels, self._detectors):
+            if detector is None:
+                continue
+            bp = detector.statistics()
+            active[label] = bp.under_pressure
+            if bp.store_latency_ema is not None:
+                ema[label] = bp.store_latency_ema
         active_promotions = dict.fromkeys(self._labels, 0)
         active_cascades = dict.fromkeys(self._labels, 0)
         for record in self._jobs.values():
@@ -503,6 +605,10 @@ class TieringManager:
             },
             jobs_in_flight=len(self._jobs),
             promotions_held=self._promotions_held,
+            backpressure_stores_dropped=dict(self._bp_stores_dropped),
+            backpressure_blocks_dropped=dict(self._bp_blocks_dropped),
+            backpressure_store_latency_ema=ema,
+            backpressure_active=active,
         )
 
 
@@ -544,7 +650,10 @@ class OffloadingSpec:
     The built-ins are :class:`CPUOffloadingSpec` (host tier only) and
     :class:`TieringOffloadingSpec` (host tier + ``secondary_tiers``). An out-of-tree spec is a
     subclass named by ``spec_name`` in the module ``spec_module_path``; it may, for example,
-    return a ``TieringManager`` subclass with its own admission rules.
+    return a ``TieringManager`` subclass with its own admission rules. The constructor builds the
+    configured back-pressure detectors (``backpressure``, one entry per secondary tier; a bad
+    class or argument raises ``ConfigError`` before any tier opens); a subclass that overrides
+    :meth:`create_manager` passes ``backpressure=self.backpressure`` on to keep them acting.
     """
 
     #: Whether the spec accepts secondary tiers.
@@ -552,9 +661,10 @@ class OffloadingSpec:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.backpressure: tuple[BackpressureDetector | None, ...] = build_detectors(config)
 
     def create_manager(self, host: HostTier, tiers: Sequence[SecondaryTier]) -> TieringManager:
-        return TieringManager(host, tiers)
+        return TieringManager(host, tiers, backpressure=self.backpressure)
 
 
 class CPUOffloadingSpec(OffloadingSpec):

@@ -51,7 +51,7 @@ _BUILTIN_TIER_NAMES = frozenset(
     for n in (
         "info", "loads_in_flight", "stores_in_flight", "queued_jobs", "failures", "rejected", "evictions",
         "loads_completed", "stores_completed", "eviction_age_seconds", "load_latency_seconds", "store_latency_seconds", "bytes_used",
-        "capacity_bytes", "fill_ratio",
+        "capacity_bytes", "fill_ratio", "backpressure_active",
     )
 )
 
@@ -237,6 +237,23 @@ class _Collector:
             for label, by_result in sorted(dict(cascades).items()):
                 for result, snap in sorted(dict(by_result).items()):
                     f.add_histogram(latency, "", ["tier", "result"], [label, result], snap)
+        # Back-pressure: series only for tiers that have a detector.
+        for name, doc, attr, make in (
+            ("kvtier_kv_offload_tiering_backpressure_stores_dropped", "Store jobs shed by back-pressure.",
+             "backpressure_stores_dropped", f.counter),
+            ("kvtier_kv_offload_tiering_backpressure_blocks_dropped", "Chunks of the store jobs shed by back-pressure.",
+             "backpressure_blocks_dropped", f.counter),
+            ("kvtier_kv_offload_tiering_backpressure_store_latency_ema",
+             "Back-pressure store latency EMA (seconds per MiB).", "backpressure_store_latency_ema", f.gauge),
+            ("kvtier_tier_backpressure_active", "1 while back-pressure sheds stores to the tier, else 0.",
+             "backpressure_active", f.gauge),
+        ):
+            values = _field(s, attr, default=None)
+            if not values:
+                continue
+            fam = make(name, doc, ["tier"])
+            for label, value in sorted(dict(values).items()):
+                fam.add_metric([label], float(value))
 
     # -- device copies ----------------------------------------------------------------------
 

@@ -26,6 +26,10 @@ RUNS: dict[str, tuple[list[str], list[str]]] = {
          "--no-vllm given: the comparison with vLLM's fs tier was skipped"],
     ),
     "policies.py": (["--quick"], ["raw    touch", "lru    evict", "arc    insert"]),
+    "backpressure.py": (
+        ["--requests", "60", "--chunks", "4", "--host-slots", "64"],
+        ["host-tier hit rate", "engine.store p99 ms", "chunks shed by slow tier", "bp / none"],
+    ),
     "host_copy.py": (
         ["--sizes", "256K", "--repeats", "1", "--total", "4M"],
         ["256K  cross-layer   in order", "manager lookup, 1000-chunk prefix of host hits"],
