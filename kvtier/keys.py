@@ -21,9 +21,20 @@ The algorithm, precisely (byte-compatible with vLLM's prefix-caching hashes):
 * **Chained block hash.** Tokens are cut into blocks of ``block_size``; only full blocks are
   hashed. ``hash_i = hash_fn((parent_i, tuple(tokens_of_block_i), extra_keys_i))`` where
   ``parent_0`` is ``NONE_HASH`` (or a caller-given parent hash) and ``parent_i = hash_{i-1}``;
-  ``extra_keys_i`` is ``None`` or a tuple (LoRA, multimodal, cache-salt entries, built by the
-  caller). Because the hash is chained, ``hash_i`` fingerprints the whole prefix up to the end
-  of block ``i``.
+  ``extra_keys_i`` is ``None`` or a tuple (see below). Because the hash is chained, ``hash_i``
+  fingerprints the whole prefix up to the end of block ``i``.
+
+* **Extra keys** (:class:`RequestExtraKeys`, vLLM 0.33's ``generate_block_hash_extra_keys``).
+  Block ``i`` covers tokens ``[start, end)``; its entries, in this order:
+
+  - ``("lora", lora_name, lora_path)`` on every block of a LoRA request;
+  - ``("mm", identifier, offset - start)`` for each multimodal item whose placeholder tokens
+    ``[offset, offset + length)`` overlap the block, in prompt order (the relative offset is
+    negative for an item that began in an earlier block);
+  - ``("cache_salt", salt)`` on block 0 only (the chain carries it into every later hash);
+  - ``("prompt_embeds", sha256(raw bytes of prompt_embeds[start:end]))`` with prompt embeds.
+
+  No entry: ``None`` (not an empty tuple), so a plain request hashes as without extra keys.
 
 * **Offload key.** ``block_hash ‖ group_idx.to_bytes(4, "big")`` (unsigned). The key of chunk
   ``i`` (``hashes_per_chunk`` hash blocks per chunk) is the offload key of
@@ -34,11 +45,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import operator
 import os
 import pickle
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import cbor2
 import xxhash
@@ -47,6 +60,9 @@ from kvtier.errors import ConfigError
 
 __all__ = [
     "HASH_ALGORITHMS",
+    "MultimodalItem",
+    "RequestExtraKeys",
+    "NO_EXTRA_KEYS",
     "DEFAULT_SEED",
     "GROUP_BYTES",
     "hash_function",
@@ -230,6 +246,169 @@ class BlockHasher:
                 parent = hash_fn((parent, tuple(token_ids[start : start + bs]), extra_keys[i]))
                 append(parent)
         return hashes
+
+
+class MultimodalItem(NamedTuple):
+    """One multimodal input of a prompt: its placeholder tokens are ``[offset, offset + length)``.
+
+    ``identifier`` is what vLLM keys the item by: ``MultiModalFeatureSpec.identifier`` (the
+    item's content hash, prefixed with the LoRA name where vLLM adds one). A plain
+    ``(identifier, offset, length)`` tuple is accepted wherever this is.
+    """
+
+    identifier: str
+    offset: int
+    length: int
+
+
+def _plain_int(value: object, name: str) -> int:
+    # A plain int: an int subclass or numpy integer would pickle to other bytes than vLLM's.
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})") from None
+
+
+def _own_str(value: object, name: str) -> str:
+    """``value`` as a non-empty plain str of its own (an empty one would key nothing apart).
+
+    Plain: a str subclass pickles to other bytes. Of its own: pickle writes a string object met
+    twice in one block's key as a back-reference, so equal strings that are one object (the same
+    image twice in a block, passed as one variable) would hash differently from vLLM's, whose
+    engine core receives every string as a separate object (decoded from msgpack).
+    """
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    if not value:
+        raise ValueError(f"{name} must be a non-empty string")
+    # A new object (one-character strings are shared singletons in every process anyway).
+    return str(value[:1]) + str(value[1:])
+
+
+def _mm_items(items: object) -> tuple[MultimodalItem, ...]:
+    if items is None:
+        return ()
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise TypeError(
+            f"mm_items must be a sequence of (identifier, offset, length), got {type(items).__name__}"
+        )
+    out: list[MultimodalItem] = []
+    end = 0
+    for i, item in enumerate(items):
+        if isinstance(item, (str, bytes)) or not isinstance(item, Sequence) or len(item) != 3:
+            raise TypeError(f"mm_items[{i}] must be an (identifier, offset, length) triple, got {item!r}")
+        identifier = _own_str(item[0], f"mm_items[{i}].identifier")
+        offset = _plain_int(item[1], f"mm_items[{i}].offset")
+        length = _plain_int(item[2], f"mm_items[{i}].length")
+        if offset < 0 or length < 1:
+            raise ValueError(f"mm_items[{i}]: offset must be >= 0 and length >= 1, got {offset}, {length}")
+        if offset < end:
+            # vLLM walks the items in this order and assumes they do not overlap.
+            raise ValueError(
+                f"mm_items[{i}] starts at token {offset}, inside the previous item (which ends at "
+                f"{end}); items must be in prompt order and must not overlap"
+            )
+        end = offset + length
+        out.append(MultimodalItem(identifier, offset, length))
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RequestExtraKeys:
+    """What, besides its tokens, keys a request's blocks: the inputs of the extra keys.
+
+    Constructing one validates every field (``TypeError`` / ``ValueError`` naming it):
+
+    * ``cache_salt``: a non-empty str isolating a tenant; it enters block 0's hash only, and
+      through the chain every later one.
+    * ``lora_name`` and ``lora_path``: the LoRA adapter, both non-empty strs or both ``None``
+      (vLLM keys a LoRA request by name *and* path, and requires the path).
+    * ``mm_items``: :class:`MultimodalItem` triples (or plain tuples) in prompt order, not
+      overlapping, ``offset >= 0``, ``length >= 1``.
+    * ``prompt_embeds``: ``None`` or the request's 2-D prompt-embeddings tensor (rows are token
+      positions); each block's entry hashes the raw bytes of its rows, as vLLM does (dtype and
+      values matter, device and strides do not).
+
+    :meth:`per_block` derives the per-block ``extra_keys`` of :meth:`BlockHasher.hash_blocks`.
+    """
+
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    lora_path: str | None = None
+    mm_items: Sequence[tuple[str, int, int]] | None = ()  # stored as a tuple of MultimodalItem
+    prompt_embeds: Any = None
+
+    def __post_init__(self) -> None:
+        for name in ("cache_salt", "lora_name", "lora_path"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, _own_str(value, name))
+        if (self.lora_name is None) != (self.lora_path is None):
+            raise ValueError(
+                "lora_name and lora_path go together: vLLM keys a LoRA request by the adapter's "
+                f"name and path (got lora_name={self.lora_name!r}, lora_path={self.lora_path!r})"
+            )
+        object.__setattr__(self, "mm_items", _mm_items(self.mm_items))
+        if self.prompt_embeds is not None:
+            import torch
+
+            if not isinstance(self.prompt_embeds, torch.Tensor) or self.prompt_embeds.ndim != 2:
+                shape = getattr(self.prompt_embeds, "shape", None)
+                raise TypeError(
+                    "prompt_embeds must be a 2-D torch.Tensor (tokens x hidden), got "
+                    f"{type(self.prompt_embeds).__name__}{'' if shape is None else tuple(shape)}"
+                )
+
+    @property
+    def empty(self) -> bool:
+        """True when no block gets an extra key (the request hashes as plain tokens)."""
+        return (self.cache_salt is None and self.lora_name is None and not self.mm_items
+                and self.prompt_embeds is None)
+
+    def per_block(self, num_blocks: int, block_size: int) -> list[tuple[Any, ...] | None] | None:
+        """The extra keys of blocks ``0 .. num_blocks - 1`` (module docstring); ``None`` if empty."""
+        if self.empty:
+            return None
+        lora: list[tuple[Any, ...]] = (
+            [] if self.lora_name is None else [("lora", self.lora_name, self.lora_path)]
+        )
+        embeds = None
+        if self.prompt_embeds is not None:
+            embeds = self.prompt_embeds.detach().cpu()
+        # (identifier, first token, end token) of each item, in prompt order
+        spans = [(identifier, offset, offset + length) for identifier, offset, length in self.mm_items or ()]
+        first_span = 0  # the spans before it end at or before the current block's start
+        out: list[tuple[Any, ...] | None] = []
+        for i in range(num_blocks):
+            start = i * block_size
+            end = start + block_size
+            entries = list(lora)
+            while first_span < len(spans) and spans[first_span][2] <= start:
+                first_span += 1
+            j = first_span
+            while j < len(spans) and spans[j][1] < end:  # overlaps [start, end)
+                entries.append(("mm", spans[j][0], spans[j][1] - start))
+                j += 1
+            if i == 0 and self.cache_salt is not None:
+                entries.append(("cache_salt", self.cache_salt))
+            if embeds is not None:
+                entries.append(("prompt_embeds", _embeds_digest(embeds[start:end])))
+            out.append(tuple(entries) if entries else None)
+        return out
+
+
+def _embeds_digest(rows: Any) -> bytes:
+    import torch
+
+    # The raw bytes of the rows in row-major order: what vLLM hashes (always SHA-256).
+    raw = rows.contiguous().flatten().view(torch.uint8).numpy()
+    return hashlib.sha256(raw.data).digest()
+
+
+#: The extra-key inputs of a plain request (no salt, no LoRA, no multimodal items, no embeds).
+NO_EXTRA_KEYS = RequestExtraKeys()
 
 
 def _check_group(group_idx: int) -> None:
