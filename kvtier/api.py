@@ -44,7 +44,7 @@ from kvtier.arguments import check_block_ids, count, int_ids
 from kvtier.config import EngineConfig
 from kvtier.context import RequestContext
 from kvtier.errors import ConfigError, EngineClosedError
-from kvtier.keys import BlockHasher, chunk_keys
+from kvtier.keys import NO_EXTRA_KEYS, BlockHasher, RequestExtraKeys, chunk_keys
 from kvtier.layout import KVGeometry
 from kvtier.manager import PRIMARY_LABEL, TieringManager, load_spec
 from kvtier.stats import SIZE_BUCKETS, Histogram, HistogramSnapshot
@@ -56,6 +56,7 @@ if sys.version_info < (3, 11):  # pragma: no cover - anyio depends on the backpo
 if TYPE_CHECKING:
     import torch
 
+    from kvtier.layerwise import BlockingLayerwiseLoad, LayerwiseLoad
     from kvtier.tiers.base import SecondaryTier
     from kvtier.tiers.copy_engine import CopyEngine, CopyResult, Direction
     from kvtier.tiers.cpu import HostTier
@@ -119,8 +120,35 @@ class _CopyCounters:
         )
 
 
+def _request_keys(cache_salt: str | None = None, lora_name: str | None = None,
+                  lora_path: str | None = None, mm_items: Sequence[tuple[str, int, int]] | None = None,
+                  prompt_embeds: torch.Tensor | None = None) -> RequestExtraKeys:
+    """The extra-key inputs of one call (validated: ``TypeError``/``ValueError`` at the call).
+
+    Every public method keying a request takes these keyword arguments and passes this object
+    to :meth:`Engine._hashes_and_keys`; a plain request (all ``None``) shares one empty object.
+    """
+    if cache_salt is None and lora_name is None and lora_path is None and mm_items is None \
+            and prompt_embeds is None:
+        return NO_EXTRA_KEYS
+    return RequestExtraKeys(cache_salt, lora_name, lora_path, mm_items, prompt_embeds)
+
+
 class Engine:
-    """A running kvtier stack. Obtain one from :func:`open` (or :func:`start_in_thread`)."""
+    """A running kvtier stack. Obtain one from :func:`open` (or :func:`start_in_thread`).
+
+    Every method that keys a request (``load``, ``load_with_sources``, ``store``,
+    ``cached_prefix_tokens``, ``chunk_keys``) also takes keyword-only *extra keys*, hashed into
+    the chunk keys exactly as vLLM 0.33 does (:class:`kvtier.keys.RequestExtraKeys`): a call
+    finds only chunks stored with the same values.
+
+    * ``cache_salt``: the tenant's salt (non-empty str); isolates its chunks from every other
+      salt and from unsalted requests.
+    * ``lora_name`` and ``lora_path``: the LoRA adapter of the request (both or neither).
+    * ``mm_items``: the multimodal inputs, ``(identifier, offset, length)`` per item
+      (:class:`kvtier.keys.MultimodalItem`) in prompt order, not overlapping.
+    * ``prompt_embeds``: the request's 2-D prompt-embeddings tensor, if it has one.
+    """
 
     def __init__(
         self,
@@ -383,17 +411,24 @@ class Engine:
                 self._ops_idle.set()
 
     # ------------------------------------------------------------------ keys
-    def chunk_keys(self, token_ids: Sequence[int]) -> list[bytes]:
-        """Offload keys of the complete chunks of ``token_ids`` (prefix order)."""
+    def chunk_keys(self, token_ids: Sequence[int], *, cache_salt: str | None = None,
+                   lora_name: str | None = None, lora_path: str | None = None,
+                   mm_items: Sequence[tuple[str, int, int]] | None = None,
+                   prompt_embeds: torch.Tensor | None = None) -> list[bytes]:
+        """Offload keys of the complete chunks of ``token_ids`` (prefix order), with the extra keys."""
         self._check_open("chunk_keys")
-        return self._hashes_and_keys(int_ids(token_ids, "token_ids"))[1]
+        extras = _request_keys(cache_salt, lora_name, lora_path, mm_items, prompt_embeds)
+        return self._hashes_and_keys(int_ids(token_ids, "token_ids"), extras)[1]
 
-    def _hashes_and_keys(self, token_ids: Sequence[int]) -> tuple[list[bytes], list[bytes]]:
-        hashes = self._hasher.hash_blocks(token_ids)
+    def _hashes_and_keys(self, token_ids: Sequence[int],
+                         extras: RequestExtraKeys) -> tuple[list[bytes], list[bytes]]:
+        """Block hashes of ``token_ids`` keyed with ``extras``, and the chunks' offload keys."""
+        bs = self._hasher.block_size
+        hashes = self._hasher.hash_blocks(token_ids, extras.per_block(len(token_ids) // bs, bs))
         return hashes, chunk_keys(hashes, self.blocks_per_chunk)
 
     def _remember_chunks(self, token_ids: Sequence[int], hashes: Sequence[bytes],
-                         keys: Sequence[bytes], first_chunk: int = 0) -> None:
+                         keys: Sequence[bytes], extras: RequestExtraKeys, first_chunk: int = 0) -> None:
         """Give the event translator what self-describing events say about these chunks."""
         if self.translator is None or not self.config.self_describing_kv_events:
             return
@@ -406,6 +441,7 @@ class Engine:
                 parent_block_hash=hashes[i * bpc - 1] if i else None,
                 token_ids=token_ids[i * tokens : (i + 1) * tokens],
                 block_size=self.geometry.block_size,
+                lora_name=extras.lora_name,
             ))
 
     def _context(self, kind: str, params: Mapping[str, Any] | None, keys: Sequence[bytes],
@@ -424,14 +460,19 @@ class Engine:
             )
 
     # ------------------------------------------------------------------ public API
-    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+    def cached_prefix_tokens(self, token_ids: Sequence[int], *, cache_salt: str | None = None,
+                             lora_name: str | None = None, lora_path: str | None = None,
+                             mm_items: Sequence[tuple[str, int, int]] | None = None,
+                             prompt_embeds: torch.Tensor | None = None) -> int:
         """Tokens of ``token_ids`` whose chunks some tier holds now. Non-blocking, no promotion.
 
         A tier that does not know yet counts as a miss (its probe is started, so a later call
-        may answer more). Bad ``token_ids`` raise ``TypeError``/``ValueError`` (see :meth:`load`).
+        may answer more). Bad ``token_ids`` or extra keys raise ``TypeError``/``ValueError``
+        (see :meth:`load`).
         """
         self._check_open("cached_prefix_tokens")
-        keys = self._hashes_and_keys(int_ids(token_ids, "token_ids"))[1]
+        extras = _request_keys(cache_salt, lora_name, lora_path, mm_items, prompt_embeds)
+        keys = self._hashes_and_keys(int_ids(token_ids, "token_ids"), extras)[1]
         ctx = RequestContext(f"peek-{next(self._req_ids)}")
         held = 0
         for key in keys:
@@ -446,7 +487,10 @@ class Engine:
         return held * self.chunk_tokens
 
     async def load(self, token_ids: Sequence[int], block_ids: Sequence[int],
-                   params: Mapping[str, Any] | None = None, *, num_computed_tokens: int = 0) -> int:
+                   params: Mapping[str, Any] | None = None, *, num_computed_tokens: int = 0,
+                   cache_salt: str | None = None, lora_name: str | None = None,
+                   lora_path: str | None = None, mm_items: Sequence[tuple[str, int, int]] | None = None,
+                   prompt_embeds: torch.Tensor | None = None) -> int:
         """Copy the cached prefix of ``token_ids`` into device blocks; return the new tokens placed.
 
         Chunks are looked up from chunk ``num_computed_tokens // chunk_tokens`` on (the caller
@@ -465,29 +509,39 @@ class Engine:
         ``num_computed_tokens`` is an int >= 0, and the block ids this call may use — those of
         the chunks from ``num_computed_tokens`` to the end of ``token_ids`` — exist, lie in
         ``[0, number of device blocks)`` and are distinct (``ValueError`` naming the id).
+        The extra keys (``cache_salt``, ``lora_name``/``lora_path``, ``mm_items``,
+        ``prompt_embeds``; see :class:`Engine`) must be those the chunks were stored with;
+        bad ones raise ``TypeError``/``ValueError`` naming the argument.
         Raises :class:`kvtier.EngineClosedError` once the engine is closing.
         """
         self._check_open("load")
-        return (await self._checked_load(token_ids, block_ids, params, num_computed_tokens)).tokens
+        extras = _request_keys(cache_salt, lora_name, lora_path, mm_items, prompt_embeds)
+        return (await self._checked_load(token_ids, block_ids, params, num_computed_tokens, extras)).tokens
 
     async def load_with_sources(self, token_ids: Sequence[int], block_ids: Sequence[int],
                                 params: Mapping[str, Any] | None = None, *,
-                                num_computed_tokens: int = 0) -> LoadOutcome:
+                                num_computed_tokens: int = 0, cache_salt: str | None = None,
+                                lora_name: str | None = None, lora_path: str | None = None,
+                                mm_items: Sequence[tuple[str, int, int]] | None = None,
+                                prompt_embeds: torch.Tensor | None = None) -> LoadOutcome:
         """Like :meth:`load`, also reporting how many tokens came from each tier label."""
         self._check_open("load_with_sources")
-        return await self._checked_load(token_ids, block_ids, params, num_computed_tokens)
+        extras = _request_keys(cache_salt, lora_name, lora_path, mm_items, prompt_embeds)
+        return await self._checked_load(token_ids, block_ids, params, num_computed_tokens, extras)
 
     async def _checked_load(self, token_ids: Sequence[int], block_ids: Sequence[int],
-                            params: Mapping[str, Any] | None, num_computed_tokens: int) -> LoadOutcome:
+                            params: Mapping[str, Any] | None, num_computed_tokens: int,
+                            extras: RequestExtraKeys) -> LoadOutcome:
         token_ids = int_ids(token_ids, "token_ids")
         block_ids = int_ids(block_ids, "block_ids")
         num_computed_tokens = count(num_computed_tokens, "num_computed_tokens")
         async with self._operation():
-            return await self._load(token_ids, block_ids, params, num_computed_tokens)
+            return await self._load(token_ids, block_ids, params, num_computed_tokens, extras)
 
     async def _load(self, token_ids: Sequence[int], block_ids: Sequence[int],
-                    params: Mapping[str, Any] | None, num_computed_tokens: int) -> LoadOutcome:
-        hashes, keys = self._hashes_and_keys(token_ids)
+                    params: Mapping[str, Any] | None, num_computed_tokens: int,
+                    extras: RequestExtraKeys) -> LoadOutcome:
+        hashes, keys = self._hashes_and_keys(token_ids, extras)
         first = num_computed_tokens // self.chunk_tokens
         ctx = self._context("load", params, keys[first:], first)
         self.manager.on_new_request(ctx)
@@ -501,7 +555,7 @@ class Engine:
             hit_keys = await self._resolve_prefix(candidates, ctx)
             if not hit_keys:
                 return LoadOutcome(0, {})
-            self._remember_chunks(token_ids, hashes, hit_keys, first)
+            self._remember_chunks(token_ids, hashes, hit_keys, extras, first)
             slot_ids = self.manager.prepare_load(hit_keys, ctx)
             try:
                 start = first * self.blocks_per_chunk
@@ -552,7 +606,10 @@ class Engine:
 
     async def store(self, token_ids: Sequence[int], block_ids: Sequence[int],
                     params: Mapping[str, Any] | None = None, *,
-                    num_prompt_tokens: int | None = None) -> int:
+                    num_prompt_tokens: int | None = None, cache_salt: str | None = None,
+                    lora_name: str | None = None, lora_path: str | None = None,
+                    mm_items: Sequence[tuple[str, int, int]] | None = None,
+                    prompt_embeds: torch.Tensor | None = None) -> int:
         """Offload the complete chunks of ``token_ids`` held in device ``block_ids``.
 
         Returns the number of tokens newly copied to host memory, once the device blocks may be
@@ -563,20 +620,23 @@ class Engine:
 
         Arguments are checked before any work is queued, as for :meth:`load`; the block ids
         checked for range and duplicates are those of the chunks this call offloads;
-        ``num_prompt_tokens`` is ``None`` or an int >= 0. Raises
+        ``num_prompt_tokens`` is ``None`` or an int >= 0. The chunks are keyed with the extra
+        keys (see :class:`Engine`): only a call with the same ones finds them. Raises
         :class:`kvtier.EngineClosedError` once the engine is closing.
         """
         self._check_open("store")
+        extras = _request_keys(cache_salt, lora_name, lora_path, mm_items, prompt_embeds)
         token_ids = int_ids(token_ids, "token_ids")
         block_ids = int_ids(block_ids, "block_ids")
         if num_prompt_tokens is not None:
             num_prompt_tokens = count(num_prompt_tokens, "num_prompt_tokens")
         async with self._operation():
-            return await self._store(token_ids, block_ids, params, num_prompt_tokens)
+            return await self._store(token_ids, block_ids, params, num_prompt_tokens, extras)
 
     async def _store(self, token_ids: Sequence[int], block_ids: Sequence[int],
-                     params: Mapping[str, Any] | None, num_prompt_tokens: int | None) -> int:
-        hashes, keys = self._hashes_and_keys(token_ids)
+                     params: Mapping[str, Any] | None, num_prompt_tokens: int | None,
+                     extras: RequestExtraKeys) -> int:
+        hashes, keys = self._hashes_and_keys(token_ids, extras)
         ctx = self._context("store", params, keys)
         self.manager.on_new_request(ctx)
         limit = len(token_ids)
@@ -599,7 +659,7 @@ class Engine:
                 self._dispatch()
             if not out.keys_to_store:
                 return 0
-            self._remember_chunks(token_ids, hashes, keys)
+            self._remember_chunks(token_ids, hashes, keys, extras)
             index = {key: i for i, key in enumerate(keys)}
             device_blocks: list[int] = []
             for key in out.keys_to_store:
@@ -732,6 +792,40 @@ class Engine:
         if host is not None:
             host.close()
 
+    # ------------------------------------------------------------------ layer-wise loading
+    def load_layerwise(self, token_ids: Sequence[int], block_ids: Sequence[int],
+                       params: Mapping[str, Any] | None = None, *, num_computed_tokens: int = 0,
+                       layers_per_group: int = 1) -> LayerwiseLoad:
+        """:meth:`load`, delivered layer group by layer group (semantics: ``kvtier.layerwise``).
+
+        ``async with engine.load_layerwise(...) as layers:`` stages the load as :meth:`load`
+        does (promotions awaited); ``layers.tokens`` is then what :meth:`load` would return, and
+        ``async for group in layers`` yields each ``LayerGroup(start, stop)`` of
+        ``layers_per_group`` layers once its bytes are on the device, in layer order. A failed
+        copy raises :class:`kvtier.layerwise.LayerwiseLoadError` from the iteration: recompute
+        the whole prefix. Leaving the block waits for the copies in flight, then unpins.
+
+        Arguments are checked at the call as for :meth:`load` (the block ids on entering);
+        ``layers_per_group`` is an int >= 1; an engine opened without ``device_kv`` raises
+        ``RuntimeError``; a closing engine :class:`kvtier.EngineClosedError`.
+        """
+        from kvtier.layerwise import LayerwiseLoad, check_layers_per_group
+
+        self._check_open("load_layerwise")
+        token_ids = int_ids(token_ids, "token_ids")
+        block_ids = int_ids(block_ids, "block_ids")
+        num_computed_tokens = count(num_computed_tokens, "num_computed_tokens")
+        layers_per_group = check_layers_per_group(layers_per_group)
+        if self.copy_engine is None:
+            raise RuntimeError("this engine was opened without device_kv; it cannot load KV layer-wise")
+        hashes, keys = self._hashes_and_keys(token_ids, NO_EXTRA_KEYS)
+
+        def remember(hit_keys: Sequence[bytes], first_chunk: int) -> None:
+            self._remember_chunks(token_ids, hashes, hit_keys, NO_EXTRA_KEYS, first_chunk)
+
+        return LayerwiseLoad(self, token_ids, block_ids, params, keys, remember,
+                             num_computed_tokens=num_computed_tokens, layers_per_group=layers_per_group)
+
 
 @contextlib.asynccontextmanager
 async def open(  # noqa: A001 - the public name is kvtier.open
@@ -840,28 +934,52 @@ class ThreadedEngine:
                 ) from exc
             raise
 
+    # The extra keys (cache_salt, lora_name, lora_path, mm_items, prompt_embeds) are those of
+    # :class:`Engine`, passed through unchanged.
     def load(self, token_ids: Sequence[int], block_ids: Sequence[int],
-             params: Mapping[str, Any] | None = None, *, num_computed_tokens: int = 0) -> int:
+             params: Mapping[str, Any] | None = None, *, num_computed_tokens: int = 0,
+             cache_salt: str | None = None, lora_name: str | None = None, lora_path: str | None = None,
+             mm_items: Sequence[tuple[str, int, int]] | None = None,
+             prompt_embeds: torch.Tensor | None = None) -> int:
         return self._call("load", lambda: self.engine.load(
-            token_ids, block_ids, params, num_computed_tokens=num_computed_tokens))
+            token_ids, block_ids, params, num_computed_tokens=num_computed_tokens, cache_salt=cache_salt,
+            lora_name=lora_name, lora_path=lora_path, mm_items=mm_items, prompt_embeds=prompt_embeds))
 
     def load_with_sources(self, token_ids: Sequence[int], block_ids: Sequence[int],
                           params: Mapping[str, Any] | None = None, *,
-                          num_computed_tokens: int = 0) -> LoadOutcome:
+                          num_computed_tokens: int = 0, cache_salt: str | None = None,
+                          lora_name: str | None = None, lora_path: str | None = None,
+                          mm_items: Sequence[tuple[str, int, int]] | None = None,
+                          prompt_embeds: torch.Tensor | None = None) -> LoadOutcome:
         return self._call("load_with_sources", lambda: self.engine.load_with_sources(
-            token_ids, block_ids, params, num_computed_tokens=num_computed_tokens))
+            token_ids, block_ids, params, num_computed_tokens=num_computed_tokens, cache_salt=cache_salt,
+            lora_name=lora_name, lora_path=lora_path, mm_items=mm_items, prompt_embeds=prompt_embeds))
 
     def store(self, token_ids: Sequence[int], block_ids: Sequence[int],
-              params: Mapping[str, Any] | None = None, *, num_prompt_tokens: int | None = None) -> int:
+              params: Mapping[str, Any] | None = None, *, num_prompt_tokens: int | None = None,
+              cache_salt: str | None = None, lora_name: str | None = None, lora_path: str | None = None,
+              mm_items: Sequence[tuple[str, int, int]] | None = None,
+              prompt_embeds: torch.Tensor | None = None) -> int:
         return self._call("store", lambda: self.engine.store(
-            token_ids, block_ids, params, num_prompt_tokens=num_prompt_tokens))
+            token_ids, block_ids, params, num_prompt_tokens=num_prompt_tokens, cache_salt=cache_salt,
+            lora_name=lora_name, lora_path=lora_path, mm_items=mm_items, prompt_embeds=prompt_embeds))
 
-    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
-        return self._call("cached_prefix_tokens", self.engine.cached_prefix_tokens, token_ids)
+    def cached_prefix_tokens(self, token_ids: Sequence[int], *, cache_salt: str | None = None,
+                             lora_name: str | None = None, lora_path: str | None = None,
+                             mm_items: Sequence[tuple[str, int, int]] | None = None,
+                             prompt_embeds: torch.Tensor | None = None) -> int:
+        return self._call("cached_prefix_tokens", lambda: self.engine.cached_prefix_tokens(
+            token_ids, cache_salt=cache_salt, lora_name=lora_name, lora_path=lora_path,
+            mm_items=mm_items, prompt_embeds=prompt_embeds))
 
-    def chunk_keys(self, token_ids: Sequence[int]) -> list[bytes]:
+    def chunk_keys(self, token_ids: Sequence[int], *, cache_salt: str | None = None,
+                   lora_name: str | None = None, lora_path: str | None = None,
+                   mm_items: Sequence[tuple[str, int, int]] | None = None,
+                   prompt_embeds: torch.Tensor | None = None) -> list[bytes]:
         """Offload keys of the complete chunks of ``token_ids`` (see :meth:`Engine.chunk_keys`)."""
-        return self._call("chunk_keys", self.engine.chunk_keys, token_ids)  # type: ignore[no-any-return]
+        return self._call("chunk_keys", lambda: self.engine.chunk_keys(
+            token_ids, cache_salt=cache_salt, lora_name=lora_name, lora_path=lora_path,
+            mm_items=mm_items, prompt_embeds=prompt_embeds))  # type: ignore[no-any-return]
 
     def reset_cache(self) -> None:
         """Drop every chunk from host memory, safely (see :meth:`Engine.reset_cache`)."""
@@ -919,6 +1037,18 @@ class ThreadedEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def load_layerwise(self, token_ids: Sequence[int], block_ids: Sequence[int],
+                       params: Mapping[str, Any] | None = None, *, num_computed_tokens: int = 0,
+                       layers_per_group: int = 1) -> BlockingLayerwiseLoad:
+        """Blocking :meth:`Engine.load_layerwise`: ``with engine.load_layerwise(...) as layers:``
+        then ``for group in layers:``, each step blocking until that group is on the device."""
+        from kvtier.layerwise import BlockingLayerwiseLoad
+
+        load = self._call("load_layerwise", lambda: self.engine.load_layerwise(
+            token_ids, block_ids, params, num_computed_tokens=num_computed_tokens,
+            layers_per_group=layers_per_group))
+        return BlockingLayerwiseLoad(load, self._call)
 
 
 def start_in_thread(

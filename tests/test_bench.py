@@ -11,7 +11,7 @@ import torch
 
 from kvtier.bench.cli import run_bench_cli
 from kvtier.bench.model import DeviceBlockPool, ModelConfig, PoolExhausted, TinyDecoder
-from kvtier.bench.report import format_table
+from kvtier.bench.report import format_table, layerwise_comparison, layerwise_lines
 from kvtier.bench.runner import (
     FRESH_DIR,
     BenchPlan,
@@ -25,6 +25,7 @@ from kvtier.bench.runner import (
     capacity_tokens,
     default_capacities,
     run_one,
+    run_point,
 )
 from kvtier.bench.workload import WorkloadSpec, conversation_tokens, iter_requests
 
@@ -60,6 +61,15 @@ def test_prefill_reads_the_cached_prefix_from_the_pool(model: TinyDecoder) -> No
     model.prefill(tokens, 0, pool, [0, 1, 2])
     pool.kv[0].zero_()  # wrong KV for tokens 0..15
     assert not torch.allclose(model.prefill(tokens, 32, pool, [0, 1, 2]), model.dense_logits(tokens))
+
+
+def test_prefill_calls_before_layer_once_per_layer_in_order(model: TinyDecoder) -> None:
+    tokens = _tokens(40)
+    pool = DeviceBlockPool(4, SMALL)
+    calls: list[int] = []
+    logits = model.prefill(tokens, 0, pool, [0, 1, 2], before_layer=calls.append)
+    assert calls == list(range(SMALL.num_layers))
+    torch.testing.assert_close(logits, model.dense_logits(tokens), rtol=1e-4, atol=1e-4)
 
 
 def test_prefill_must_compute_the_last_token(model: TinyDecoder) -> None:
@@ -191,6 +201,51 @@ async def test_host_tier_hits_give_the_same_logits_as_recompute(model: TinyDecod
 
 
 @pytest.mark.anyio
+async def test_layerwise_strategy_loads_what_load_does_with_correct_logits(model: TinyDecoder) -> None:
+    cpu = builtin_strategies()["cpu"]
+    plan = _small_plan((cpu, cpu.with_layerwise()))
+    plain, layerwise = await run_point(plan, plan.strategies, 3, model, ReferenceLogits(model))
+    assert layerwise.strategy == "cpu/layerwise"
+    assert layerwise.checked_requests == layerwise.requests == 9 and layerwise.max_logit_error < 1e-3
+    assert layerwise.tokens_by_tier == plain.tokens_by_tier and layerwise.tokens_by_tier.get("0:primary", 0) > 0
+    assert layerwise.kvtier_hit_requests == plain.kvtier_hit_requests > 0
+    assert layerwise.ttft_kvtier_hit_mean_s > 0
+    copies = layerwise.engine_stats["copies"]
+    assert copies["load_size"]["count"] == SMALL.num_layers * layerwise.kvtier_hit_requests  # one job per layer
+
+
+@pytest.mark.anyio
+async def test_a_failed_layerwise_copy_recomputes_the_whole_prefix(
+    model: TinyDecoder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtier.tiers import copy_engine
+
+    original = copy_engine._copy_pairs_numpy
+
+    def failing(plan, job, host, device_kv):  # type: ignore[no-untyped-def]
+        if job.layers is not None and job.layers[0] == 1:
+            raise OSError("injected copy failure")
+        return original(plan, job, host, device_kv)
+
+    monkeypatch.setattr(copy_engine, "_copy_pairs_numpy", failing)
+    plan = _small_plan((builtin_strategies()["cpu"].with_layerwise(),))
+    result = await run_one(plan, plan.strategies[0], 3, model, ReferenceLogits(model))
+    # Every layer-wise load failed at layer 1: nothing counts as loaded, the logits are still right.
+    assert result.engine_stats["copies"]["failures"] > 0
+    assert "0:primary" not in result.tokens_by_tier and result.kvtier_hit_requests == 0
+    assert result.checked_requests == result.requests and result.max_logit_error < 1e-3
+    assert sum(result.tokens_by_tier.values()) == result.prompt_tokens
+
+
+def test_only_a_kvtier_strategy_has_a_layerwise_variant() -> None:
+    cpu = builtin_strategies()["cpu"]
+    variant = cpu.with_layerwise()
+    assert (variant.name, variant.config, variant.layerwise) == ("cpu/layerwise", cpu.config, True)
+    with pytest.raises(ValueError, match="does not use kvtier"):
+        builtin_strategies()["recompute"].with_layerwise()
+
+
+@pytest.mark.anyio
 async def test_wrong_kv_from_a_cache_fails_the_logits_check(
     model: TinyDecoder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -217,6 +272,7 @@ def test_bad_arguments_exit_with_status_2(tmp_path: Path, capsys: pytest.Capture
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     assert run_bench_cli(["--config", str(bad)]) == 2
+    assert run_bench_cli(["--strategies", "recompute", "--layerwise"]) == 2  # nothing to load layer-wise
     typo = tmp_path / "typo.json"
     typo.write_text(json.dumps({"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_uze": 1}))
     assert run_bench_cli(["--config", str(typo)]) == 2
@@ -364,3 +420,35 @@ def test_repeats_run_every_point_that_many_times(tmp_path: Path) -> None:
     check = doc["logits_check"]
     assert check["passed"] and check["checked_requests"] == check["requests"] == 2 * sum(
         r["requests"] for r in doc["results"])
+
+
+def test_layerwise_comparison_pairs_each_variant_with_its_strategy() -> None:
+    rows = [_run("cpu", 4, 10_000.0, 0.050), _run("cpu/layerwise", 4, 10_500.0, 0.040),
+            _run("cpu", 8, 9_000.0, 0.060), _run("recompute", 4, 8_000.0, 0.070)]
+    rows[0].kvtier_hit_requests, rows[0].ttft_kvtier_hit_mean_s = 3, 0.080
+    rows[1].kvtier_hit_requests, rows[1].ttft_kvtier_hit_mean_s = 3, 0.060
+    [row] = layerwise_comparison(rows)  # cpu x8 has no layer-wise row: not compared
+    assert (row["strategy"], row["conversations"], row["kvtier_hit_requests"]) == ("cpu", 4, 3)
+    assert row["ttft_p50_s"] == {"without": 0.050, "with": 0.040, "ratio": pytest.approx(0.8)}
+    assert row["ttft_kvtier_hit_mean_s"]["ratio"] == pytest.approx(0.75)
+    lines = layerwise_lines([row])
+    assert "cpu x4" in lines[1] and "p50 50.0 -> 40.0 ms (0.80x)" in lines[1] and "(0.75x)" in lines[1]
+    rows[0].ttft_kvtier_hit_mean_s = 0.0  # no request hit kvtier: nothing to compare there
+    assert layerwise_comparison(rows)[0]["ttft_kvtier_hit_mean_s"]["ratio"] is None
+
+
+def test_layerwise_flag_reports_ttft_with_and_without(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = _tiny_bench(tmp_path, "--conversations", "3", "--layerwise")
+    assert [r["strategy"] for r in doc["results"]] == ["recompute", "cpu", "cpu/layerwise"]
+    rows = {r["strategy"]: r for r in doc["results"]}
+    assert rows["cpu/layerwise"]["tokens_by_tier"] == rows["cpu"]["tokens_by_tier"]
+    assert rows["cpu"]["tokens_by_tier"].get("0:primary", 0) > 0  # layer-wise loads really happened ...
+    assert doc["logits_check"]["passed"]  # ... and gave the logits of a full recompute
+    [row] = doc["summary"]["layerwise"]
+    assert (row["strategy"], row["conversations"]) == ("cpu", 3) and row["kvtier_hit_requests"] > 0
+    for name in ("ttft_p50_s", "ttft_mean_s", "ttft_kvtier_hit_mean_s"):
+        values = row[name]
+        assert values["without"] == rows["cpu"][name] and values["with"] == rows["cpu/layerwise"][name]
+        assert values["ratio"] == pytest.approx(values["with"] / values["without"])
+    out = capsys.readouterr().out
+    assert "cpu/layerwise" in out and "layer-wise loading, TTFT without -> with" in out

@@ -305,6 +305,86 @@ def test_torch_copy_path_of_the_cuda_engine_matches_the_cpu_engine(cross_layer: 
         buffer.close()
 
 
+# --- layer ranges and cancellation (layer-wise loading) ---------------------------------------
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("cross_layer", [True, False], ids=["cross_layer", "per_layer"])
+async def test_a_layer_range_job_copies_only_those_layers(cross_layer: bool) -> None:
+    geo = geometry(num_layers=4)
+    bpc = 2
+    src = random_kv(geo, cross_layer, seed=3)
+    buffer = SlotBuffer(2, geo.slot_bytes(bpc), pin_memory=False)
+    blocks = [7, 8, 2, 11]  # one run and two single blocks
+    await run_jobs(CpuCopyEngine(src, geo, bpc, buffer), [CopyJob(0, "to_host", [1, 0], blocks)])
+    dst = random_kv(geo, cross_layer, seed=4)
+    before = [block(dst, b).clone() for b in blocks]
+    jobs = [CopyJob(1, "to_device", [1, 0], blocks, layers=(1, 3))]
+    [result] = await run_jobs(CpuCopyEngine(dst, geo, bpc, buffer), jobs)
+    assert result.success and result.nbytes == 2 * geo.chunk_bytes(bpc) * 2 // 4  # 2 chunks, 2 of 4 layers
+    for b, old in zip(blocks, before):
+        now, want = block(dst, b).view(torch.int16), block(src, b).view(torch.int16)
+        assert torch.equal(now[1:3], want[1:3])
+        assert torch.equal(now[[0, 3]], old.view(torch.int16)[[0, 3]])  # other layers untouched
+    buffer.close()
+
+
+@pytest.mark.parametrize("cross_layer", [True, False], ids=["cross_layer", "per_layer"])
+def test_torch_copy_path_of_a_layer_range_matches_the_numpy_path(cross_layer: bool) -> None:
+    """The CUDA engine's plan (one block at a time) restricted to layers, run on CPU tensors."""
+    geo = geometry(num_layers=4)
+    bpc = 4
+    src = random_kv(geo, cross_layer, seed=7)
+    buffer = SlotBuffer(2, geo.slot_bytes(bpc), pin_memory=False)
+    blocks = [3, 4, 5, 9]
+    plan = _CopyPlan(src, geo, bpc, buffer, 0)
+    host_bytes = plan.host.view(torch.uint8).numpy()
+    device_bytes = [t.view(torch.uint8).numpy() for t in plan.device_kv]
+    _copy_pairs_numpy(plan, CopyJob(0, "to_host", [1], blocks), host_bytes, device_bytes)
+    torch_dst, numpy_dst = random_kv(geo, cross_layer, seed=8), random_kv(geo, cross_layer, seed=8)
+    job = CopyJob(1, "to_device", [1], [0, 1, 2, 12], layers=(2, 4))
+    assert _copy_pairs(_CopyPlan(torch_dst, geo, bpc, buffer, 0), job, non_blocking=True) == geo.chunk_bytes(bpc) // 2
+    numpy_plan = _CopyPlan(numpy_dst, geo, bpc, buffer, 0)
+    _copy_pairs_numpy(numpy_plan, job, host_bytes, [t.view(torch.uint8).numpy() for t in numpy_plan.device_kv])
+    for b in range(NUM_BLOCKS):
+        assert torch.equal(block(torch_dst, b).view(torch.int16), block(numpy_dst, b).view(torch.int16))
+    for s, d in zip(blocks, [0, 1, 2, 12]):
+        assert torch.equal(block(torch_dst, d)[2:].view(torch.int16), block(src, s)[2:].view(torch.int16))
+    buffer.close()
+
+
+@pytest.mark.anyio
+async def test_a_layer_range_outside_the_model_is_an_invalid_job() -> None:
+    geo = geometry(num_layers=3)
+    buffer = SlotBuffer(1, geo.slot_bytes(1), pin_memory=False)
+    engine = CpuCopyEngine(random_kv(geo, True), geo, 1, buffer)
+    for job_id, layers in enumerate([(0, 4), (2, 2), (-1, 1), (3, 4)]):
+        engine.submit(CopyJob(job_id, "to_device", [0], [1], layers=layers))
+    finished = engine.get_finished()
+    assert [r.job_id for r in finished] == [0, 1, 2, 3]
+    assert all(not r.success and "layers" in (r.error or "") for r in finished)
+    await engine.aclose()
+    buffer.close()
+
+
+@pytest.mark.anyio
+async def test_cancel_withdraws_a_queued_job_which_is_still_reported_once() -> None:
+    geo = geometry()
+    buffer = SlotBuffer(2, geo.slot_bytes(1), pin_memory=False)
+    src = random_kv(geo, True, seed=1)
+    engine = CpuCopyEngine(src, geo, 1, buffer)
+    engine.submit(CopyJob(0, "to_host", [0], [3]))
+    engine.submit(CopyJob(1, "to_host", [1], [4], layers=(0, 1)))
+    engine.cancel(1)
+    engine.cancel(99)  # unknown: ignored
+    results = await run_jobs(engine, [], expect=2)
+    assert sorted((r.job_id, r.success, r.error) for r in results) == [(0, True, None), (1, False, "cancelled")]
+    assert not buffer.tensor[1].any()  # the withdrawn copy never ran
+    engine.cancel(0)  # already reported: ignored, nothing more is reported
+    assert engine.get_finished() == []
+    buffer.close()
+
+
 # --- CUDA (skipped without a GPU) ------------------------------------------------------------
 
 

@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", action="append", default=[], metavar="FILE.json",
                    help="extra strategy: a kv_connector_extra_config JSON file (named after the file); "
                    "repeatable. cpu_bytes_to_use defaults to the bench's host size")
+    p.add_argument("--layerwise", action="store_true",
+                   help="also run every kvtier strategy with layer-wise loading (engine.load_layerwise: "
+                   "layer i computes while layer i+1 loads), as '<strategy>/layerwise', and report the "
+                   "TTFT with and without it")
     p.add_argument("--conversations", type=_positive_int_list, help="sweep, e.g. 2,4,8")
     p.add_argument("--rounds", type=int, help="turns after the first prompt")
     p.add_argument("--system-tokens", type=_positive_int)
@@ -157,6 +161,11 @@ def _make_plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         strategies.append(_load_config_strategy(path, {s.name for s in strategies}))
     if not strategies:
         raise ValueError("no strategy to run")
+    if args.layerwise:
+        layerwise = [s.with_layerwise() for s in strategies if s.config is not None]
+        if not layerwise:
+            raise ValueError("--layerwise: no kvtier strategy to load layer-wise (only recompute was chosen)")
+        strategies += layerwise
     if args.fs_root is not None and not os.path.isdir(args.fs_root):
         raise ValueError(f"--fs-root {args.fs_root!r} is not a directory")
     device = args.device
@@ -230,7 +239,8 @@ def _run(args: argparse.Namespace, plan: Any, describe: dict[str, Any], out: Tex
     import kvtier
     from kvtier.bench.model import TinyDecoder
     from kvtier.bench.report import (
-        Progress, describe_machine, describe_model, format_table, header_lines, write_chart, write_json,
+        Progress, describe_machine, describe_model, format_table, header_lines, layerwise_comparison,
+        layerwise_lines, write_chart, write_json,
     )
     from kvtier.bench.runner import LogitsMismatch, capacity_markers, capacity_tokens, run_plan
 
@@ -277,6 +287,9 @@ def _run(args: argparse.Namespace, plan: Any, describe: dict[str, Any], out: Tex
     print(f"logits check: {checked} of {requests} requests match a full recompute "
           f"(max |error| {max_error:.2g}); total {total_s:.1f}s", file=out)
     summary = _summary(results, plan.conversations)
+    if args.layerwise:
+        summary["layerwise"] = layerwise_comparison(results)
+        summary["lines"] += layerwise_lines(summary["layerwise"])
     for line in summary["lines"]:
         print(line, file=out)
     device_tokens, host_tokens = capacity_tokens(plan.model, plan.device_blocks, plan.host_bytes)

@@ -139,6 +139,7 @@ class TinyDecoder:
         num_cached_tokens: int,
         pool: DeviceBlockPool,
         block_ids: Sequence[int],
+        before_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Logits of the last prompt token, computing only ``token_ids[num_cached_tokens:]``.
 
@@ -146,6 +147,8 @@ class TinyDecoder:
         ``block_ids``, one per token block, however it got there: computed earlier, a device
         prefix-cache hit or loaded by kvtier); the KV of the new tokens is written into the same
         blocks. At least one token must be new (the last token's logits need a forward pass).
+        ``before_layer(layer)``, when given, is called before each layer touches the pool: a
+        layer-wise load blocks there until that layer's cached prefix is in place.
         """
         n = len(token_ids)
         if not 0 <= num_cached_tokens < n:
@@ -167,7 +170,7 @@ class TinyDecoder:
             kv[new_blocks, layer, 0, new_offsets] = k
             kv[new_blocks, layer, 1, new_offsets] = v
 
-        return self._forward(token_ids[num_cached_tokens:], num_cached_tokens, past, store)
+        return self._forward(token_ids[num_cached_tokens:], num_cached_tokens, past, store, before_layer)
 
     @torch.inference_mode()
     def dense_logits(self, token_ids: Sequence[int]) -> torch.Tensor:
@@ -185,6 +188,7 @@ class TinyDecoder:
         start: int,
         past: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
         store: Callable[[int, torch.Tensor, torch.Tensor], None],
+        before_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         c = self.config
         ids = torch.as_tensor(list(new_tokens), dtype=torch.long, device=self.device)
@@ -198,6 +202,8 @@ class TinyDecoder:
         mask = key_pos[None, :] <= positions[:, None]
         group = c.num_heads // c.num_kv_heads
         for layer, w in enumerate(self.layers):
+            if before_layer is not None:
+                before_layer(layer)
             h = _rms_norm(x)
             qkv = h @ w["wqkv"]
             q = qkv[:, :q_dim].view(n, c.num_heads, c.head_dim)

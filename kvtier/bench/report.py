@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from kvtier.bench.model import LLAMA_8B_FLOPS_PER_TOKEN, LLAMA_8B_KV_BYTES_PER_TOKEN, ModelConfig
-from kvtier.bench.runner import DEVICE_LABEL, RECOMPUTE_LABEL, RunResult
+from kvtier.bench.runner import DEVICE_LABEL, LAYERWISE_SUFFIX, RECOMPUTE_LABEL, RunResult
 
 __all__ = [
     "Progress",
@@ -19,6 +19,8 @@ __all__ = [
     "describe_model",
     "header_lines",
     "format_table",
+    "layerwise_comparison",
+    "layerwise_lines",
     "write_json",
     "write_chart",
 ]
@@ -160,6 +162,55 @@ def format_table(results: Sequence[RunResult]) -> str:
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+#: TTFTs compared between a strategy and its layer-wise variant.
+LAYERWISE_TTFTS = ("ttft_p50_s", "ttft_mean_s", "ttft_kvtier_hit_mean_s")
+
+
+def layerwise_comparison(results: Sequence[RunResult]) -> list[dict[str, Any]]:
+    """TTFT of each ``<strategy>/layerwise`` row next to its ``<strategy>`` row (same conversations).
+
+    Per row: ``{"strategy", "conversations", "kvtier_hit_requests", <ttft>: {"without", "with",
+    "ratio"}}`` for each of :data:`LAYERWISE_TTFTS`; ``ratio`` is with / without (below 1:
+    layer-wise loading is faster), ``None`` when there is nothing to compare (no kvtier hit).
+    """
+    rows = {(r.strategy, r.conversations): r for r in results}
+    out: list[dict[str, Any]] = []
+    for r in results:
+        if not r.strategy.endswith(LAYERWISE_SUFFIX):
+            continue
+        base = rows.get((r.strategy[: -len(LAYERWISE_SUFFIX)], r.conversations))
+        if base is None:
+            continue
+        row: dict[str, Any] = {"strategy": base.strategy, "conversations": r.conversations,
+                               "kvtier_hit_requests": base.kvtier_hit_requests}
+        for name in LAYERWISE_TTFTS:
+            without, with_ = getattr(base, name), getattr(r, name)
+            row[name] = {"without": without, "with": with_,
+                         "ratio": with_ / without if without > 0 and with_ > 0 else None}
+        out.append(row)
+    return out
+
+
+def layerwise_lines(comparison: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The comparison as printed lines (TTFT in ms, without -> with, and the ratio)."""
+    if not comparison:
+        return []
+    lines = ["layer-wise loading, TTFT without -> with (ratio; below 1 is faster):"]
+    labels = {"ttft_p50_s": "p50", "ttft_mean_s": "mean", "ttft_kvtier_hit_mean_s": "mean of kvtier hits"}
+    for row in comparison:
+        parts = []
+        for name, label in labels.items():
+            values = row[name]
+            if values["ratio"] is None:
+                continue
+            parts.append(f"{label} {values['without'] * 1000:.1f} -> {values['with'] * 1000:.1f} ms "
+                         f"({values['ratio']:.2f}x)")
+        hits = row["kvtier_hit_requests"]
+        lines.append(f"  {row['strategy']} x{row['conversations']} ({hits} requests hit kvtier): "
+                     + (", ".join(parts) or "no request to compare"))
+    return lines
 
 
 def _spread(r: RunResult, name: str, fmt: Any) -> tuple[str, str, str]:

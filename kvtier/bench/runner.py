@@ -10,6 +10,9 @@ a time, like a single prefill worker:
    last token, whose logits must be computed);
 3. ``TinyDecoder.prefill`` computes the rest, in a worker thread so the engine's event loop
    keeps cascading to secondary tiers meanwhile (as a GPU computes while the host does I/O);
+   a *layer-wise* strategy (``Strategy.layerwise``) does steps 2 and 3 together with
+   ``engine.load_layerwise``: layer ``i`` is computed as soon as its prefix KV is on the device,
+   while the following layers are still being copied;
 4. ``engine.store`` offloads the prompt's complete chunks; the pool then releases the blocks.
 
 The timed section is exactly steps 1-4 of every request; a strategy's throughput is its prompt
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.from_thread
 import anyio.to_thread
 import torch
 
@@ -56,6 +60,7 @@ __all__ = [
     "run_plan",
     "DEVICE_LABEL",
     "RECOMPUTE_LABEL",
+    "LAYERWISE_SUFFIX",
 ]
 
 #: ``tokens_by_tier`` label of tokens found in the device prefix cache.
@@ -64,6 +69,8 @@ DEVICE_LABEL = "device"
 RECOMPUTE_LABEL = "recompute"
 #: Marker in a strategy's tier list replaced by a fresh per-run directory.
 FRESH_DIR = "<fresh temporary directory>"
+#: Name suffix of a strategy's layer-wise variant (``Strategy.with_layerwise``).
+LAYERWISE_SUFFIX = "/layerwise"
 
 # float32 logits of a paged prefill and a dense one differ only by summation order.
 _ATOL = 1e-3
@@ -77,10 +84,18 @@ class LogitsMismatch(AssertionError):
 @dataclass(frozen=True)
 class Strategy:
     """A named caching strategy: ``config`` is a ``kv_connector_extra_config`` dict, or ``None``
-    for ``recompute`` (device prefix cache only, kvtier not used)."""
+    for ``recompute`` (device prefix cache only, kvtier not used). ``layerwise`` loads with
+    ``engine.load_layerwise`` and overlaps each layer's compute with the next layers' copies."""
 
     name: str
     config: Mapping[str, Any] | None = None
+    layerwise: bool = False
+
+    def with_layerwise(self) -> Strategy:
+        """The same configuration loaded layer-wise, named ``<name>/layerwise``."""
+        if self.config is None:
+            raise ValueError(f"strategy {self.name!r} does not use kvtier: it has nothing to load layer-wise")
+        return Strategy(self.name + LAYERWISE_SUFFIX, self.config, layerwise=True)
 
     def resolve(self, host_bytes: int, fresh_dir: Callable[[], str]) -> dict[str, Any] | None:
         """The engine config of one run: host size filled in when absent, ``FRESH_DIR`` replaced."""
@@ -217,6 +232,10 @@ class RunResult:
     checked_requests: int
     max_logit_error: float
     engine_stats: dict[str, Any] = field(default_factory=dict)
+    #: Requests to which kvtier supplied tokens, and their mean TTFT (0 when there were none):
+    #: the requests that loading (layer-wise or not) can speed up.
+    kvtier_hit_requests: int = 0
+    ttft_kvtier_hit_mean_s: float = 0.0
     #: Cold runs behind this row. With more than one, the throughput, TTFT and ``elapsed_s``
     #: fields above are medians, ``spread`` holds each one's per-run values, min and max, and
     #: ``runs`` every run's own numbers (token accounting and engine statistics above are the
@@ -236,7 +255,8 @@ class RunResult:
 
 
 #: Fields of ``RunResult`` that ``aggregate_runs`` reports as median, per-run values, min and max.
-SPREAD_FIELDS = ("throughput_tokens_per_s", "ttft_p50_s", "ttft_p90_s", "ttft_mean_s", "elapsed_s")
+SPREAD_FIELDS = ("throughput_tokens_per_s", "ttft_p50_s", "ttft_p90_s", "ttft_mean_s", "ttft_kvtier_hit_mean_s",
+                 "elapsed_s")
 _RUN_FIELDS = (*SPREAD_FIELDS, "computed_tokens", "hit_rate", "tokens_by_tier",
                "checked_requests", "max_logit_error")
 
@@ -309,6 +329,7 @@ class _Server:
         self.pool = DeviceBlockPool(plan.device_blocks, plan.model, device=plan.device)
         self.by_tier: dict[str, int] = {DEVICE_LABEL: 0, RECOMPUTE_LABEL: 0}
         self.ttfts: list[float] = []
+        self.hit_ttfts: list[float] = []  # of requests to which kvtier supplied tokens
         self.busy_s = 0.0
         self.prompt_tokens = 0
         self.to_check: list[tuple[ChatRequest, torch.Tensor, dict[str, int]]] = []
@@ -321,14 +342,24 @@ class _Server:
         alloc = self.pool.acquire(tokens)
         cached = alloc.cached_tokens
         sources = {DEVICE_LABEL: cached}
-        if engine is not None:
-            # Never the last token: its logits are the answer and must be computed.
-            outcome = await engine.load_with_sources(tokens[:-1], alloc.block_ids, num_computed_tokens=cached)
-            for label, n in outcome.tokens_by_tier.items():
-                sources[label] = sources.get(label, 0) + n
-            cached += outcome.tokens
-        logits = await anyio.to_thread.run_sync(self.model.prefill, tokens, cached, self.pool, alloc.block_ids)
-        self.ttfts.append(time.perf_counter() - t0)
+        loaded: dict[str, int] = {}
+        if engine is not None and self.strategy.layerwise:
+            logits, loaded = await self._load_and_prefill_layerwise(tokens, cached, alloc.block_ids)
+        else:
+            if engine is not None:
+                # Never the last token: its logits are the answer and must be computed.
+                outcome = await engine.load_with_sources(tokens[:-1], alloc.block_ids, num_computed_tokens=cached)
+                loaded = outcome.tokens_by_tier
+            computed_from = cached + sum(loaded.values())
+            logits = await anyio.to_thread.run_sync(
+                self.model.prefill, tokens, computed_from, self.pool, alloc.block_ids)
+        ttft = time.perf_counter() - t0
+        self.ttfts.append(ttft)
+        if loaded:
+            self.hit_ttfts.append(ttft)
+        for label, n in loaded.items():
+            sources[label] = sources.get(label, 0) + n
+        cached += sum(loaded.values())
         if engine is not None:
             await engine.store(tokens, alloc.block_ids, num_prompt_tokens=len(tokens))
         self.pool.release(alloc)
@@ -339,6 +370,38 @@ class _Server:
         self.prompt_tokens += len(tokens)
         if _should_check(self.plan, request):
             self.to_check.append((request, logits, sources))
+
+    async def _load_and_prefill_layerwise(
+        self, tokens: list[int], cached: int, block_ids: list[int]
+    ) -> tuple[torch.Tensor, dict[str, int]]:
+        """Prefill while ``engine.load_layerwise`` places the prefix: layer ``i`` is computed as
+        soon as its KV is on the device. Returns the logits and the tokens placed per tier.
+
+        The model runs in a worker thread and, before each layer, blocks on the event loop for
+        the next group. If a group's copy fails the whole prefix is recomputed, as the
+        layer-wise contract demands.
+        """
+        from kvtier.layerwise import LayerwiseLoadError
+
+        try:
+            async with self.engine.load_layerwise(tokens[:-1], block_ids, num_computed_tokens=cached) as layers:
+                steps = aiter(layers)
+                ready = 0  # layers [0, ready) of the prefix are on the device
+
+                async def next_group() -> int:
+                    return int((await anext(steps)).stop)
+
+                def before_layer(layer: int) -> None:
+                    nonlocal ready
+                    while layer >= ready:
+                        ready = anyio.from_thread.run(next_group)
+
+                logits = await anyio.to_thread.run_sync(
+                    self.model.prefill, tokens, cached + layers.tokens, self.pool, block_ids, before_layer)
+                return logits, dict(layers.tokens_by_tier)
+        except LayerwiseLoadError:
+            logits = await anyio.to_thread.run_sync(self.model.prefill, tokens, cached, self.pool, block_ids)
+            return logits, {}
 
     def result(self, conversations: int, references: ReferenceLogits, engine_stats: dict[str, Any]) -> RunResult:
         """The run's numbers, after checking every kept answer; raises ``LogitsMismatch``."""
@@ -373,6 +436,8 @@ class _Server:
             checked_requests=len(self.to_check),
             max_logit_error=max_error,
             engine_stats=engine_stats,
+            kvtier_hit_requests=len(self.hit_ttfts),
+            ttft_kvtier_hit_mean_s=sum(self.hit_ttfts) / len(self.hit_ttfts) if self.hit_ttfts else 0.0,
         )
 
 

@@ -16,6 +16,12 @@ A host slot is canonical and independent of TP: page ``(b, l)`` at ``(b * num_la
 page_bytes``, i.e. the slot viewed as ``[bpc, num_layers, 2, block_size, all_heads, head_dim]``.
 A rank copies into its head slice of every page, so ``tp_size`` ranks together fill one slot.
 
+A job may be restricted to a range of layers (``CopyJob.layers``): layer-wise loading
+(``kvtier.layerwise``) submits one job per group of layers, in layer order, so a caller can
+compute layer ``i`` while layer ``i + 1`` is still copying. Such a job is reported as soon as its
+own copies are done (the CPU engine never holds its result back for other jobs), and a job not
+yet started can be withdrawn with :meth:`CopyEngine.cancel`.
+
 Two engines implement the contract: :class:`CpuCopyEngine` (the "device" is CPU memory; copies
 run in worker threads) and :class:`CudaCopyEngine` (copies on a dedicated CUDA stream, completion
 observed by polling a CUDA event — nothing on the serving path calls ``synchronize()``).
@@ -66,13 +72,15 @@ class CopyJob:
 
     ``direction`` is ``"to_host"`` (device → host, a store) or ``"to_device"`` (host → device, a
     load). Chunk ``i`` uses device blocks ``block_ids[i*bpc:(i+1)*bpc]`` and host slot
-    ``slot_ids[i]``; so ``len(block_ids) == len(slot_ids) * blocks_per_chunk``.
+    ``slot_ids[i]``; so ``len(block_ids) == len(slot_ids) * blocks_per_chunk``. ``layers``
+    ``(start, stop)`` copies only layers ``start <= l < stop`` of every page (``None``: all).
     """
 
     job_id: int
     direction: Direction
     slot_ids: Sequence[int]
     block_ids: Sequence[int]
+    layers: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +211,10 @@ class _CopyPlan:
         """Why ``job`` cannot run, or ``None`` when it is well formed."""
         if job.direction not in ("to_host", "to_device"):
             return f"unknown direction {job.direction!r}"
+        if job.layers is not None:
+            start, stop = job.layers
+            if not 0 <= start < stop <= self.num_layers:
+                return f"layers {job.layers} is not a non-empty range inside [0, {self.num_layers})"
         if len(job.block_ids) != len(job.slot_ids) * self.bpc:
             return (
                 f"{len(job.block_ids)} block ids for {len(job.slot_ids)} slots "
@@ -215,6 +227,15 @@ class _CopyPlan:
             if not 0 <= b < self.num_blocks:
                 return f"block id {b} out of range [0, {self.num_blocks})"
         return None
+
+    def layer_range(self, job: CopyJob) -> tuple[int, int]:
+        """``(start, stop)`` of the layers ``job`` copies (all of them when ``job.layers`` is ``None``)."""
+        return job.layers if job.layers is not None else (0, self.num_layers)
+
+    def job_bytes(self, job: CopyJob) -> int:
+        """Bytes this rank moves for ``job`` (its head share of the pages of the job's layers)."""
+        start, stop = self.layer_range(job)
+        return self.rank_chunk_bytes // self.num_layers * (stop - start) * len(job.slot_ids)
 
     def pairs(
         self,
@@ -230,26 +251,38 @@ class _CopyPlan:
         of the same memory (indexed identically), which are far cheaper to slice.
         ``block_at_a_time`` splits per-layer runs into single blocks, so that (at TP 1) every
         host view is contiguous: a run of pages of one layer is strided in the host slot, and
-        torch would stage a strided device↔host copy through a pageable temporary.
+        torch would stage a strided device↔host copy through a pageable temporary. The same
+        holds for a run of a cross-layer job restricted to some layers (``job.layers``), while
+        one block's pages of consecutive layers are contiguous on both sides.
         """
         host = self.host if host is None else host
         device_kv = self.device_kv if device_kv is None else device_kv
         bpc = self.bpc
         block_ids = job.block_ids
+        first_layer, stop_layer = self.layer_range(job)
+        all_layers = (first_layer, stop_layer) == (0, self.num_layers)
+        layers = slice(first_layer, stop_layer)
         for i, slot in enumerate(job.slot_ids):
             host_chunk = host[slot]
             blocks = block_ids[i * bpc : (i + 1) * bpc]
             for first, start, n in _runs(blocks):
                 host_run = host_chunk[first : first + n]
-                if self.cross_layer:
+                if self.cross_layer and all_layers:
                     yield host_run, device_kv[0][start : start + n]
+                elif self.cross_layer and block_at_a_time and n > 1:
+                    for offset in range(n):
+                        yield (host_run[offset : offset + 1, layers],
+                               device_kv[0][start + offset : start + offset + 1, layers])
+                elif self.cross_layer:
+                    yield host_run[:, layers], device_kv[0][start : start + n, layers]
                 elif block_at_a_time and n > 1:
                     for offset in range(n):
-                        for layer, dev in enumerate(device_kv):
+                        for layer in range(first_layer, stop_layer):
+                            dev = device_kv[layer]
                             yield host_run[offset : offset + 1, layer], dev[start + offset : start + offset + 1]
                 else:
-                    for layer, dev in enumerate(device_kv):
-                        yield host_run[:, layer], dev[start : start + n]
+                    for layer in range(first_layer, stop_layer):
+                        yield host_run[:, layer], device_kv[layer][start : start + n]
 
 
 def _first_tensor(device_kv: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
@@ -286,6 +319,9 @@ class CopyEngine(abc.ABC):
       result exactly once.
     * The wakeup callback (:meth:`set_wakeup`) is called from the loop thread whenever a result
       becomes available.
+    * :meth:`cancel` withdraws a job that no worker has started: it is reported failed with
+      ``error="cancelled"`` when a worker reaches it. A job already copying cannot be recalled;
+      it finishes and is reported truthfully.
     * An engine that is constructed must be closed with :meth:`aclose` (run or not).
     * :meth:`run` opens the task group, reports ``task_status.started()`` and returns after
       :meth:`aclose`. :meth:`aclose` stops accepting jobs, lets copies already issued finish (a
@@ -310,6 +346,8 @@ class CopyEngine(abc.ABC):
         self._send, self._receive = anyio.create_memory_object_stream[tuple[CopyJob, Any]](max_queued_jobs)
         self._results: collections.deque[CopyResult] = collections.deque()
         self._wakeup: Callable[[], None] | None = None
+        self._unreported: set[int] = set()  # ids of queued or running jobs (for cancel)
+        self._cancelled: set[int] = set()  # a subset of _unreported
         self._closed = False
         self._cancel_scope: anyio.CancelScope | None = None
         self._stopped: anyio.Event | None = None
@@ -338,6 +376,18 @@ class CopyEngine(abc.ABC):
             self._send.send_nowait((job, self._on_submit(job)))
         except anyio.WouldBlock:
             self._fail(job, "queue_full")
+            return
+        self._unreported.add(job.job_id)
+
+    def cancel(self, job_id: int) -> None:
+        """Withdraw job ``job_id`` if no worker has started it (see the class docstring).
+
+        Non-blocking; an id that is unknown or already reported is ignored. The job is still
+        reported exactly once: failed with ``error="cancelled"``, or — when it had already
+        started — with its real outcome.
+        """
+        if job_id in self._unreported:
+            self._cancelled.add(job_id)
 
     def get_finished(self) -> list[CopyResult]:
         """Every result not yet returned (possibly none); never waits."""
@@ -393,7 +443,21 @@ class CopyEngine(abc.ABC):
     async def _start_workers(self, tg: anyio.abc.TaskGroup) -> None:
         """Start the worker tasks that consume ``self._receive``."""
 
+    def _take_cancelled(self, jobs: list[CopyJob]) -> list[CopyJob]:
+        """Report the cancelled ``jobs`` (loop thread, before a worker starts them); return the rest."""
+        if not self._cancelled:
+            return jobs
+        runnable = []
+        for job in jobs:
+            if job.job_id in self._cancelled:
+                self._fail(job, "cancelled")
+            else:
+                runnable.append(job)
+        return runnable
+
     def _report(self, result: CopyResult) -> None:
+        self._unreported.discard(result.job_id)
+        self._cancelled.discard(result.job_id)
         self._results.append(result)
         if self._wakeup is not None:
             self._wakeup()
@@ -423,7 +487,7 @@ def _copy_pairs(plan: _CopyPlan, job: CopyJob, non_blocking: bool = False) -> in
             host_view.copy_(device_view, non_blocking=non_blocking)
         else:
             device_view.copy_(host_view, non_blocking=non_blocking)
-    return plan.rank_chunk_bytes * len(job.slot_ids)
+    return plan.job_bytes(job)
 
 
 def _copy_pairs_numpy(plan: _CopyPlan, job: CopyJob, host: np.ndarray, device_kv: Sequence[np.ndarray]) -> int:
@@ -439,7 +503,7 @@ def _copy_pairs_numpy(plan: _CopyPlan, job: CopyJob, host: np.ndarray, device_kv
             np.copyto(host_view, device_view)
         else:
             np.copyto(device_view, host_view)
-    return plan.rank_chunk_bytes * len(job.slot_ids)
+    return plan.job_bytes(job)
 
 
 #: Jobs a CPU copy worker takes per thread hop when several are queued.
@@ -453,6 +517,11 @@ class CpuCopyEngine(CopyEngine):
     :class:`anyio.CapacityLimiter` (``max_concurrent_jobs`` threads). Copies go straight from the
     device tensors into slot views (no staging copy) with ``numpy.copyto``; runs of consecutive
     device blocks are one copy each (one per layer with the per-layer layout).
+
+    A worker takes up to ``_MAX_JOBS_PER_HOP`` queued jobs per thread hop and reports them when
+    the batch is done; a job restricted to some layers ends its batch, so a layer-wise load sees
+    each layer group as soon as it is copied (the jobs of one load run on the workers in
+    submission order, ``max_concurrent_jobs`` at a time).
     """
 
     def __init__(
@@ -487,11 +556,14 @@ class CpuCopyEngine(CopyEngine):
             # Take whatever else is queued too (up to a bound): one thread hop per batch, not per
             # job, keeps the hand-off cost small next to a copy of a few hundred microseconds.
             batch = [item[0]]
-            while len(batch) < _MAX_JOBS_PER_HOP:
+            while len(batch) < _MAX_JOBS_PER_HOP and batch[-1].layers is None:
                 try:
                     batch.append(self._receive.receive_nowait()[0])
                 except anyio.WouldBlock:
                     break
+            batch = self._take_cancelled(batch)
+            if not batch:
+                continue
             start = time.monotonic()
             # Shielded: a copy handed to a thread cannot be recalled, so wait for it and report
             # what really happened rather than a failure for bytes that did move.
@@ -539,7 +611,9 @@ class CudaCopyEngine(CopyEngine):
     blocks only after the compute that wrote them). One ``torch.cuda.Event`` is recorded per job;
     a poller task checks ``event.query()`` with a short ``anyio.sleep`` backoff and reports jobs as
     they complete. Issuing happens in a worker thread (own limiter of 1, so jobs enter their
-    stream in submission order) to keep Python launch overhead off the loop.
+    stream in submission order) to keep Python launch overhead off the loop. A layer-wise load
+    submits one job per layer group, so each group gets its own event, recorded after the
+    group's copies on the stream.
 
     Copy granularity: cross-layer at TP 1 copies each run of consecutive blocks in one DMA;
     per-layer copies one page (block × layer) at a time so both sides stay contiguous. At TP > 1
@@ -603,6 +677,8 @@ class CudaCopyEngine(CopyEngine):
 
     async def _issuer(self) -> None:
         async for job, ready in self._receive:
+            if not self._take_cancelled([job]):
+                continue
             # Shielded: once handed to the thread the copies may be on the stream; keep the
             # job so its completion is observed and reported truthfully.
             with anyio.CancelScope(shield=True):

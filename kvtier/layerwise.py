@@ -1,0 +1,416 @@
+"""Layer-wise loading: compute layer ``i`` while layer ``i + 1`` of the cached prefix is copying.
+
+:meth:`kvtier.Engine.load_layerwise` returns a :class:`LayerwiseLoad`::
+
+    async with engine.load_layerwise(prompt[:-1], block_ids, num_computed_tokens=hit) as layers:
+        computed = hit + layers.tokens          # known on entry: the prefix that will be placed
+        async for group in layers:              # LayerGroup(start, stop), in layer order
+            ...                                 # compute layers group.start .. group.stop - 1
+
+Semantics callers rely on:
+
+* **Entering** does what :meth:`kvtier.Engine.load` does before its copy, with the same rules:
+  the chunks are looked up from ``num_computed_tokens`` on, promotions from secondary tiers are
+  awaited (the prefix ends at a chunk whose promotion fails or does not finish within the
+  engine's ``wait_timeout_s``), ``max_load_tokens`` caps it, and the host slots of the prefix are
+  pinned. Then one host→device copy per group of ``layers_per_group`` layers is submitted, all
+  at once, in layer order. From here :attr:`LayerwiseLoad.tokens` is final: the tokens beyond
+  ``num_computed_tokens`` that the prefix adds once every group has arrived
+  (:attr:`LayerwiseLoad.tokens_by_tier` per tier label), i.e. what ``load`` would return.
+* **Iterating** yields every group exactly once, in layer order, as ``LayerGroup(start, stop)``
+  (layers ``start <= l < stop``), once that group's bytes of the whole prefix are on the device.
+  Later groups may still be copying. With ``tokens == 0`` nothing is copied and every group is
+  yielded at once, so a caller's per-layer loop is the same for a hit and a miss.
+* **A failed copy raises** :class:`LayerwiseLoadError` from the iteration, at the first group
+  that did not arrive; the groups yielded before it hold correct bytes. The caller must then
+  treat the whole prefix as not loaded and recompute it (its computed count stays the
+  ``num_computed_tokens`` it passed): the prefix's KV of the missing layers can only be computed
+  by running the prefix through every layer. It is an exception, not a flag, so code that
+  ignores it cannot go on computing on bytes that never arrived. Every later step raises again.
+* **Leaving the block** — after the last group, on ``break``, on an exception or on cancellation
+  — withdraws the group copies that have not started (:meth:`CopyEngine.cancel`), waits,
+  shielded from cancellation, for the ones in flight, and only then unpins the host slots: no
+  slot is reused while a copy reads it, and no copy writes the device blocks after the block is
+  left. The chunks count as used (recency) only when every group arrived.
+* **Devices.** With CUDA tensors each group is one job on the copy engine's stream, with its own
+  event, polled with ``event.query()`` (nothing calls ``synchronize()``); with CPU tensors each
+  group is one job of the CPU copy engine, reported as soon as it is copied.
+* **Misuse raises at once**: ``layers_per_group`` not an int >= 1 (``TypeError``/``ValueError``)
+  and an engine opened without ``device_kv`` (``RuntimeError``) at the call; bad ids as for
+  ``load`` (``TypeError``/``ValueError``: ids at the call, block ids on entry); entering twice,
+  iterating twice, or iterating outside the ``async with`` block (``RuntimeError``); a closing or
+  closed engine (:class:`kvtier.EngineClosedError`) at the call, on entry and at every step.
+* While the block is open the load is in progress: ``engine.reset_cache()`` waits for it, so
+  keep the block as short as the computation it overlaps.
+
+:class:`BlockingLayerwiseLoad` is the same for ``kvtier.start_in_thread``'s blocking facade:
+``with engine.load_layerwise(...) as layers: for group in layers: ...`` where each step blocks
+the calling thread until the next group is on the device.
+
+The engine's internals this module relies on are listed in :class:`LoadingEngine`; it sits below
+``kvtier.api`` (it never imports it) and above the manager and the copy engines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+import anyio
+
+from kvtier.arguments import check_block_ids
+from kvtier.errors import KvtierError
+
+if TYPE_CHECKING:
+    from kvtier.context import RequestContext
+    from kvtier.layout import KVGeometry
+    from kvtier.manager import TieringManager
+    from kvtier.tiers.copy_engine import CopyEngine, CopyResult
+
+__all__ = ["LayerGroup", "LayerwiseLoad", "LayerwiseLoadError", "BlockingLayerwiseLoad", "layer_groups"]
+
+logger = logging.getLogger("kvtier.layerwise")
+
+#: How long a wait for a copy result lasts before this load dispatches the results itself (the
+#: engine's drive task normally does at once; this covers an engine whose drive task stopped).
+_PROGRESS_S = 1.0
+
+
+class LayerGroup(NamedTuple):
+    """Layers ``start <= layer < stop`` (``range(*group)``) of a layer-wise load."""
+
+    start: int
+    stop: int
+
+
+class LayerwiseLoadError(KvtierError, RuntimeError):
+    """A layer group's host→device copy failed: the caller must recompute the whole prefix.
+
+    ``group`` is the first group that did not arrive (groups before it were yielded, with correct
+    bytes); ``reason`` is the copy engine's error (``"copy_error: ..."``, ``"closed"``, ...).
+    """
+
+    def __init__(self, group: LayerGroup, reason: str | None) -> None:
+        super().__init__(
+            f"layer-wise load: the copy of layers {group.start}..{group.stop - 1} failed ({reason}); "
+            "the prefix is not on the device: recompute all of it"
+        )
+        self.group = group
+        self.reason = reason
+
+
+def layer_groups(num_layers: int, layers_per_group: int) -> list[LayerGroup]:
+    """The groups of ``layers_per_group`` consecutive layers (the last one may be smaller)."""
+    return [LayerGroup(start, min(start + layers_per_group, num_layers))
+            for start in range(0, num_layers, layers_per_group)]
+
+
+def check_layers_per_group(value: Any) -> int:
+    """``value`` as an int >= 1 (``TypeError`` if not an int, ``ValueError`` if below 1)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"layers_per_group must be an int >= 1, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"layers_per_group must be >= 1, got {value}")
+    return int(value)
+
+
+class CopyCounters(Protocol):
+    def record(self, direction: str, result: CopyResult) -> None: ...
+
+
+class LoadingEngine(Protocol):
+    """What a layer-wise load uses of :class:`kvtier.Engine` (all on the engine's loop thread).
+
+    A copy result lands in ``_copy_waiters[job_id]`` (its event is set) when ``_dispatch``
+    drains the copy engine, which the engine's drive task does on every wake-up.
+    """
+
+    @property
+    def manager(self) -> TieringManager: ...
+    @property
+    def copy_engine(self) -> CopyEngine | None: ...
+    @property
+    def geometry(self) -> KVGeometry: ...
+    @property
+    def chunk_tokens(self) -> int: ...
+    @property
+    def blocks_per_chunk(self) -> int: ...
+    @property
+    def num_device_blocks(self) -> int | None: ...
+    @property
+    def _copy_ids(self) -> Iterator[int]: ...
+    @property
+    def _copy_waiters(self) -> dict[int, tuple[anyio.Event, list[CopyResult]]]: ...
+    @property
+    def _copy_counters(self) -> CopyCounters: ...
+
+    def _check_open(self, method: str) -> None: ...
+    def _operation(self) -> AbstractAsyncContextManager[None]: ...
+    def _context(self, kind: str, params: Mapping[str, Any] | None, keys: Sequence[bytes],
+                 first_chunk: int = 0) -> RequestContext: ...
+    async def _resolve_prefix(self, keys: Sequence[bytes], ctx: RequestContext) -> list[bytes]: ...
+    def _publish_events(self) -> None: ...
+    def _dispatch(self) -> None: ...
+
+
+@dataclass(slots=True)
+class _GroupCopy:
+    """One submitted group copy; ``box`` receives its result (through the engine's dispatch)."""
+
+    job_id: int
+    done: anyio.Event
+    box: list[CopyResult] = field(default_factory=list)
+    counted: bool = False
+
+    @property
+    def result(self) -> CopyResult:
+        return self.box[0]
+
+
+class _State(enum.Enum):
+    NEW = "new"
+    OPEN = "open"
+    LEFT = "left"
+
+
+class LayerwiseLoad:
+    """One layer-wise load; an async context manager and, inside it, an async iterator.
+
+    Built by :meth:`kvtier.Engine.load_layerwise` (arguments already checked there); see the
+    module docstring for the semantics.
+    """
+
+    def __init__(
+        self,
+        engine: LoadingEngine,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        params: Mapping[str, Any] | None,
+        keys: Sequence[bytes],
+        remember: Callable[[Sequence[bytes], int], None],
+        *,
+        num_computed_tokens: int,
+        layers_per_group: int,
+    ) -> None:
+        self._engine = engine
+        self._token_ids = token_ids
+        self._block_ids = block_ids
+        self._params = params
+        self._keys = keys
+        self._remember = remember
+        self._num_computed = num_computed_tokens
+        self.groups: list[LayerGroup] = layer_groups(engine.geometry.num_layers, layers_per_group)
+        #: Tokens beyond ``num_computed_tokens`` the prefix adds once every group arrived (on entry).
+        self.tokens = 0
+        #: ``tokens`` per tier label, as :meth:`kvtier.Engine.load_with_sources` reports them.
+        self.tokens_by_tier: dict[str, int] = {}
+        self._state = _State.NEW
+        self._iterating = False
+        self._next = 0  # index of the next group to yield
+        self._failure: LayerwiseLoadError | None = None
+        self._ctx: RequestContext | None = None
+        self._pinned: list[bytes] = []
+        self._copies: list[_GroupCopy] = []
+        self._stack = contextlib.AsyncExitStack()
+
+    # --- context manager ------------------------------------------------------------------------
+    async def __aenter__(self) -> LayerwiseLoad:
+        if self._state is not _State.NEW:
+            raise RuntimeError("a LayerwiseLoad is entered once; call engine.load_layerwise(...) again")
+        self._engine._check_open("load_layerwise")
+        self._state = _State.OPEN
+        try:
+            await self._stack.enter_async_context(self._engine._operation())
+            await self._stage()
+        except BaseException:
+            await self._leave()
+            raise
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if self._state is _State.OPEN:
+            await self._leave()
+
+    # --- iteration --------------------------------------------------------------------------------
+    def __aiter__(self) -> LayerwiseLoad:
+        if self._state is not _State.OPEN:
+            raise RuntimeError("iterate a LayerwiseLoad inside its `async with` block")
+        if self._iterating:
+            raise RuntimeError("a LayerwiseLoad is iterated once; its groups were already requested")
+        self._iterating = True
+        return self
+
+    async def __anext__(self) -> LayerGroup:
+        group = await self._next_group()
+        if group is None:
+            raise StopAsyncIteration
+        return group
+
+    async def _next_group(self) -> LayerGroup | None:
+        """The next group once it is on the device; ``None`` after the last one.
+
+        Raises :class:`LayerwiseLoadError` if its copy failed (and at every later call).
+        """
+        if self._state is not _State.OPEN:
+            raise RuntimeError("iterate a LayerwiseLoad inside its `async with` block")
+        self._engine._check_open("load_layerwise")
+        if self._failure is not None:
+            raise self._failure
+        if self._next >= len(self.groups):
+            return None
+        group = self.groups[self._next]
+        if self._copies:
+            copy = self._copies[self._next]
+            await self._wait_for([copy])
+            result = copy.result
+            self._count(copy)
+            if not result.success:
+                logger.error("layer-wise host→device copy of layers %d..%d failed: %s",
+                             group.start, group.stop - 1, result.error)
+                self._failure = LayerwiseLoadError(group, result.error)
+                raise self._failure
+        self._next += 1
+        return group
+
+    # --- internals --------------------------------------------------------------------------------
+    async def _stage(self) -> None:
+        """Everything ``load`` does before its copy; then submit one copy per group."""
+        engine = self._engine
+        manager = engine.manager
+        chunk_tokens, bpc = engine.chunk_tokens, engine.blocks_per_chunk
+        first = self._num_computed // chunk_tokens
+        ctx = self._ctx = engine._context("load", self._params, self._keys[first:], first)
+        manager.on_new_request(ctx)
+        candidates = list(self._keys[first:])
+        limit = ctx.params.max_load_tokens
+        if limit is not None:
+            candidates = candidates[: limit // chunk_tokens]
+        check_block_ids(self._block_ids, first * bpc, (first + len(candidates)) * bpc, engine.num_device_blocks)
+        hit_keys = await engine._resolve_prefix(candidates, ctx)
+        if not hit_keys:
+            return
+        self._remember(hit_keys, first)
+        slot_ids = manager.prepare_load(hit_keys, ctx)
+        self._pinned = hit_keys
+        for i, key in enumerate(hit_keys, start=first):
+            # As load counts: only tokens beyond what the caller already had.
+            new_tokens = (i + 1) * chunk_tokens - max(i * chunk_tokens, self._num_computed)
+            if new_tokens > 0:
+                label = manager.get_load_source(key, ctx)
+                self.tokens_by_tier[label] = self.tokens_by_tier.get(label, 0) + new_tokens
+        self.tokens = sum(self.tokens_by_tier.values())
+        blocks = list(self._block_ids[first * bpc : (first + len(hit_keys)) * bpc])
+        for group in self.groups:
+            self._copies.append(self._submit(slot_ids, blocks, group))
+
+    def _submit(self, slot_ids: list[int], blocks: list[int], group: LayerGroup) -> _GroupCopy:
+        from kvtier.tiers.copy_engine import CopyJob
+
+        engine = self._engine
+        copy_engine = engine.copy_engine
+        assert copy_engine is not None  # load_layerwise refuses an engine without device_kv
+        copy = _GroupCopy(next(engine._copy_ids), anyio.Event())
+        engine._copy_waiters[copy.job_id] = (copy.done, copy.box)
+        copy_engine.submit(CopyJob(copy.job_id, "to_device", slot_ids, blocks, layers=(group.start, group.stop)))
+        return copy
+
+    async def _wait_for(self, copies: list[_GroupCopy]) -> None:
+        """Until every copy has its result: the engine's drive task dispatches results as they
+        come; the periodic dispatch here also covers an engine whose drive task has stopped."""
+        for copy in copies:
+            while not copy.done.is_set():
+                with anyio.move_on_after(_PROGRESS_S):
+                    await copy.done.wait()
+                self._engine._dispatch()
+
+    def _count(self, copy: _GroupCopy) -> None:
+        """Add a finished copy to the engine's copy counters, once (a withdrawn copy is no failure)."""
+        if copy.counted:
+            return
+        copy.counted = True
+        if copy.result.error != "cancelled":
+            self._engine._copy_counters.record("to_device", copy.result)
+
+    async def _leave(self) -> None:
+        """Withdraw copies not started, wait for the rest (shielded), unpin, finish the request."""
+        self._state = _State.LEFT
+        engine = self._engine
+        manager = engine.manager
+        try:
+            with anyio.CancelScope(shield=True):
+                copy_engine = engine.copy_engine
+                for copy in self._copies:
+                    if not copy.done.is_set() and copy_engine is not None:
+                        copy_engine.cancel(copy.job_id)
+                try:
+                    # Every job is reported exactly once (also when the engine closes): this ends.
+                    await self._wait_for(self._copies)
+                finally:
+                    for copy in self._copies:
+                        engine._copy_waiters.pop(copy.job_id, None)
+            for copy in self._copies:
+                self._count(copy)
+            arrived = bool(self._copies) and all(c.result.success for c in self._copies)
+            ctx = self._ctx
+            if self._pinned and ctx is not None:
+                manager.complete_load(self._pinned, ctx)
+                if arrived:
+                    manager.touch(self._pinned, ctx)
+        finally:
+            try:
+                if self._ctx is not None:
+                    manager.on_request_finished(self._ctx)
+                    engine._publish_events()
+            finally:
+                await self._stack.aclose()
+
+
+class BlockingLayerwiseLoad:
+    """:class:`LayerwiseLoad` for a thread without an event loop (``kvtier.start_in_thread``).
+
+    ``with engine.load_layerwise(...) as layers:`` enters on the engine's loop and blocks until
+    staging is decided (``layers.tokens``); each step of ``for group in layers`` blocks until the
+    next group is on the device. Leaving the ``with`` block leaves the load as the async form
+    does (waiting for copies in flight, unpinning). ``call(method, func, *args)`` runs ``func``
+    on the engine's loop (the facade's error mapping: :class:`kvtier.EngineClosedError` once it
+    is closed).
+    """
+
+    def __init__(self, load: LayerwiseLoad, call: Callable[..., Any]) -> None:
+        self._load = load
+        self._call = call
+
+    @property
+    def tokens(self) -> int:
+        return self._load.tokens
+
+    @property
+    def tokens_by_tier(self) -> dict[str, int]:
+        return dict(self._load.tokens_by_tier)
+
+    @property
+    def groups(self) -> list[LayerGroup]:
+        return list(self._load.groups)
+
+    def __enter__(self) -> BlockingLayerwiseLoad:
+        self._call("load_layerwise", self._load.__aenter__)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._call("load_layerwise", self._load.__aexit__, exc_type, exc, tb)
+
+    def __iter__(self) -> Iterator[LayerGroup]:
+        self._call("load_layerwise", self._load.__aiter__)  # the async form's checks, on the loop
+        return self._groups()
+
+    def _groups(self) -> Iterator[LayerGroup]:
+        while (group := self._call("load_layerwise", self._load._next_group)) is not None:
+            yield group
