@@ -488,7 +488,7 @@ def build_detector(
     """A detector from one tier's merged ``backpressure`` settings.
 
     ``key_path`` names the configuration path of a field (for error messages). Fields the
-    settings leave out come from the detector's ``default_config(tier_type, locality)``.
+    settings leave out come from the detector's ``default_config(tier_type, locality=locality)``.
     """
     if "backpressure_cls" not in settings:
         raise ConfigError(f"missing required key {key_path('backpressure_cls')}: expected a non-empty string")
@@ -522,7 +522,9 @@ def build_detector(
                 f"unknown key {key_path(key)} for {detector_cls.__name__}; allowed keys: "
                 f"{', '.join(sorted({'backpressure_cls', 'policy_cls', *accepted}))}"
             )
-    kwargs = dict(detector_cls.default_config(tier_type, locality))
+    # By keyword, as vLLM calls it: a subclass written for vLLM declares ``*, locality``; a
+    # ``None`` answer (vLLM's base class) means no defaults.
+    kwargs = dict(detector_cls.default_config(tier_type, locality=locality) or {})
     kwargs.update(given)
     for name, p in parameters.items():
         if (p.default is inspect.Parameter.empty and name not in kwargs and name not in _NOT_FROM_CONFIG

@@ -153,6 +153,9 @@ class TieringManager:
         self._detectors: list[BackpressureDetector | None] = detectors
         #: (under pressure, failure-tripped) last logged per tier, so each change is logged once.
         self._bp_logged = [(False, False)] * len(self.tiers)
+        #: Per tier: a failure trip was reported and no store has succeeded since (its probes,
+        #: let through by idle decay and failing again, are not re-reported).
+        self._bp_failing = [False] * len(self.tiers)
         self._job_ids = itertools.count()
         self._jobs: dict[tuple[int, int], _JobRecord] = {}
         self._pending: dict[tuple[int, str], _PendingPromotion] = {}
@@ -374,22 +377,38 @@ class TieringManager:
         self._log_pressure_change(tier_idx, detector)
 
     def _log_pressure_change(self, tier_idx: int, detector: BackpressureDetector) -> None:
+        """Log a change of the tier's pressure state once. A tier that keeps failing is reported
+        once: while no store has succeeded since, idle decay clearing its pressure (a probe
+        store goes through) and the probe failing again are DEBUG, and the first success after
+        it is the INFO "off"."""
         stats = detector.statistics()
         state = (stats.under_pressure, stats.failure_tripped)
         before = self._bp_logged[tier_idx]
-        if state == before:
+        recovered = self._bp_failing[tier_idx] and stats.consecutive_failures == 0
+        if recovered:
+            self._bp_failing[tier_idx] = False
+        if state == before and not recovered:
             return
         self._bp_logged[tier_idx] = state
         label = self._labels[tier_idx]
         ema = "n/a" if stats.store_latency_ema is None else f"{stats.store_latency_ema:.4g} s/MiB"
         if stats.failure_tripped and not before[1]:
-            logger.warning("tier %s: back-pressure on after %d consecutive failed stores (latency EMA %s); "
-                           "stores to it are shed", label, stats.consecutive_failures, ema)
+            if self._bp_failing[tier_idx]:
+                logger.debug("tier %s: probe store failed; back-pressure on again (%d consecutive failed "
+                             "stores)", label, stats.consecutive_failures)
+            else:
+                self._bp_failing[tier_idx] = True
+                logger.warning("tier %s: back-pressure on after %d consecutive failed stores (latency EMA %s); "
+                               "stores to it are shed", label, stats.consecutive_failures, ema)
         elif stats.under_pressure and not before[0]:
             logger.warning("tier %s: back-pressure on (store latency EMA %s); stores to it are shed",
                            label, ema)
-        elif before[0] and not stats.under_pressure:
-            logger.info("tier %s: back-pressure off (store latency EMA %s)", label, ema)
+        elif not stats.under_pressure and (before[0] or recovered):
+            if self._bp_failing[tier_idx]:
+                logger.debug("tier %s: back-pressure decayed; probing with a store (%d consecutive failed "
+                             "stores)", label, stats.consecutive_failures)
+            else:
+                logger.info("tier %s: back-pressure off (store latency EMA %s)", label, ema)
 
     # ------------------------------------------------------------------ step hooks
     def on_request_finished(self, ctx: RequestContext) -> None:

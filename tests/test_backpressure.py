@@ -12,6 +12,7 @@ import logging
 import random
 from typing import Any
 
+import anyio
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -365,6 +366,35 @@ def test_dotted_paths_name_out_of_tree_detector_and_policy_classes() -> None:
     assert det.high_water_s == 7.0 and det.low_water_s == 0.002
 
 
+class KeywordDefaultsDetector(EMABackpressureDetector):
+    """Declares its defaults as vLLM's detectors do: ``locality`` keyword-only."""
+
+    @classmethod
+    def default_config(cls, tier_type: str, *, locality: str | None = None) -> dict[str, Any]:
+        return {"high_water_s": 3.0 if locality == "REMOTE" else 2.0, "low_water_s": 1.0}
+
+
+class NoDefaultsDetector(EMABackpressureDetector):
+    @classmethod
+    def default_config(cls, tier_type: str, *, locality: str | None = None) -> None:  # type: ignore[override]
+        return None  # vLLM's base class answer: no defaults
+
+
+def test_default_config_is_called_with_locality_by_keyword_and_may_return_none() -> None:
+    config = engine_config([
+        fs(backpressure={"backpressure_cls": f"{__name__}.KeywordDefaultsDetector"}),
+        fs(root_dir="/tmp/other", locality="REMOTE",
+           backpressure={"backpressure_cls": f"{__name__}.KeywordDefaultsDetector"}),
+        fs(root_dir="/tmp/third", backpressure={"backpressure_cls": f"{__name__}.NoDefaultsDetector",
+                                                "high_water_s": 5.0, "low_water_s": 0.5}),
+    ])
+    local, remote, bare = build_detectors(config)
+    assert isinstance(local, EMABackpressureDetector) and local.high_water_s == 2.0
+    assert isinstance(remote, EMABackpressureDetector) and remote.high_water_s == 3.0
+    assert isinstance(bare, EMABackpressureDetector)
+    assert (bare.high_water_s, bare.failure_threshold) == (5.0, None)
+
+
 @pytest.mark.parametrize(("tier_bp", "top_bp", "message"), [
     ({"backpressure_cls": "EMA"}, None,
      r"invalid secondary_tiers\[0\]\.backpressure\.backpressure_cls = 'EMA': expected one of 'EMABackpressureDetector'"),
@@ -574,6 +604,79 @@ async def test_failing_stores_trip_back_pressure_once_and_reset_cache_clears_it(
     assert messages[0] == ("tier 1:faulty: back-pressure on after 2 consecutive failed stores "
                            "(latency EMA 0.04 s/MiB); stores to it are shed")
     assert messages[1].startswith("tier 1:faulty: back-pressure off")
+
+
+@pytest.mark.anyio
+async def test_a_tier_that_keeps_failing_is_reported_once_until_a_store_succeeds(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # DropStorePolicy: idle decay clears the pressure (8 s from 4 x high to below low), one probe
+    # store goes through and fails, pressure is back. Those cycles must not be logged each time.
+    caplog.set_level(logging.INFO, logger="kvtier.manager")
+    config = {
+        "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 8 * SLOT_BYTES,
+        "secondary_tiers": [{"type": "faulty", "fail_write_fraction": 1.0, "backpressure": {
+            "backpressure_cls": f"{__name__}.FakeClockDetector", "policy_cls": "DropStorePolicy",
+            "high_water_s": 1.0, "low_water_s": 0.25, "failure_threshold": 2, "cooldown_s": 0.0}}],
+    }
+    work = prompts(10, seed=6)
+    async with kvtier.open(config, geometry(), device_kv()) as engine:
+        faulty = engine.tiers[0]
+        for i in range(2):
+            assert await engine.store(work[i], [i]) == BLOCK
+            await engine.drain()
+        for i in range(2, 8, 2):  # three decay/probe cycles
+            assert await engine.store(work[i], [i]) == BLOCK
+            assert cascade_jobs(engine, "1:faulty") == 0  # shed
+            CLOCK.advance(9.0)
+            assert await engine.store(work[i + 1], [i + 1]) == BLOCK
+            assert cascade_jobs(engine, "1:faulty") == 1  # the probe
+            await engine.drain()
+        assert engine.manager.statistics().cascade_job_failures["1:faulty"] == 5
+        assert engine.manager.statistics().backpressure_active == {"1:faulty": True}
+        assert bp_messages(caplog) == ["tier 1:faulty: back-pressure on after 2 consecutive failed stores "
+                                       "(latency EMA 4 s/MiB); stores to it are shed"]
+
+        faulty.fail_write_fraction = 0.0  # the disk has room again
+        CLOCK.advance(9.0)
+        assert await engine.store(work[8], [8]) == BLOCK
+        await engine.drain()
+        assert faulty.statistics().stores_completed == 1  # successful store jobs
+        messages = bp_messages(caplog)
+        assert len(messages) == 2 and messages[1].startswith("tier 1:faulty: back-pressure off")
+        # Failing again later is a new episode: reported again.
+        faulty.fail_write_fraction = 1.0
+        for i in (9, 0):
+            assert await engine.store(work[i], [i % 8 + 16]) == BLOCK
+            await engine.drain()
+    assert len(bp_messages(caplog)) == 3 and bp_messages(caplog)[2].startswith(
+        "tier 1:faulty: back-pressure on after 2 consecutive failed stores")
+
+
+class StuckTier(MemoryTier):
+    """A memory tier whose writes never finish (until the engine closes and cancels them)."""
+
+    async def write(self, key: bytes, src: memoryview) -> None:
+        await anyio.sleep_forever()
+
+
+@pytest.mark.anyio
+async def test_stores_cancelled_by_close_do_not_count_as_failures(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kvtier.manager")
+    config = {
+        "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 8 * SLOT_BYTES,
+        "secondary_tiers": [{"type": "StuckTier", "module_path": __name__, "capacity_bytes": 1 << 24,
+                             "backpressure": {"backpressure_cls": "EMABackpressureDetector",
+                                              "failure_threshold": 1}}],
+    }
+    work = prompts(3, seed=7)
+    async with kvtier.open(config, geometry(), device_kv(), flush_timeout_s=0) as engine:
+        for i, tokens in enumerate(work):
+            assert await engine.store(tokens, [i]) == BLOCK
+        assert cascade_jobs(engine, "1:StuckTier") == 3
+        (detector,) = engine.manager.backpressure_detectors
+    assert engine.manager.statistics().cascade_job_failures["1:StuckTier"] == 3  # seen, as cancelled
+    assert detector is not None and detector.statistics().consecutive_failures == 0
+    assert bp_messages(caplog) == []
 
 
 @pytest.mark.anyio
