@@ -1,7 +1,9 @@
 """kvtier: hierarchical KV-cache offloading for LLM serving.
 
 Public names are imported lazily, so ``import kvtier`` stays cheap and never pulls in torch,
-zmq or aiobotocore until they are used.
+zmq or aiobotocore until they are used. Pluggable classes that a configuration names stay in
+their modules: cache policies in ``kvtier.policies``, back-pressure detectors and policies in
+``kvtier.backpressure``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ _EXPORTS: dict[str, str] = {
     "ConfigError": "kvtier.errors",
     "RequestError": "kvtier.errors",
     "EngineClosedError": "kvtier.errors",
+    "LayerwiseLoadError": "kvtier.layerwise",
+    "LayerGroup": "kvtier.layerwise",
+    "RequestExtraKeys": "kvtier.keys",
+    "MultimodalItem": "kvtier.keys",
     "EngineConfig": "kvtier.config",
     "TierConfig": "kvtier.config",
     "RequestParams": "kvtier.config",
@@ -56,6 +62,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtier.metrics import EngineMetrics, serve_metrics
     from kvtier.context import RequestContext
     from kvtier.errors import ConfigError, EngineClosedError, RequestError
+    from kvtier.keys import MultimodalItem, RequestExtraKeys
+    from kvtier.layerwise import LayerGroup, LayerwiseLoadError
     from kvtier.layout import KVGeometry
     from kvtier.manager import TieringManager
     from kvtier.types import Locality, LookupResult, Medium, OffloadingEvent

@@ -93,6 +93,28 @@ class CopyStatistics:
     failures: int
 
 
+@dataclass(slots=True)
+class StagedLoad:
+    """A load staged up to its host→device copy (:meth:`Engine._stage_load`).
+
+    ``hit_keys`` — the prefix to place, from chunk ``num_computed_tokens // chunk_tokens`` on —
+    are pinned in host memory (``slot_ids``, co-indexed) until :meth:`Engine._finish_load`;
+    ``block_ids`` are their device blocks, in order. ``tokens_by_tier`` counts, per tier label,
+    the tokens beyond ``num_computed_tokens`` they hold. Empty lists: a miss, nothing pinned.
+    """
+
+    ctx: RequestContext
+    hit_keys: list[bytes] = field(default_factory=list)
+    slot_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    tokens_by_tier: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> int:
+        """New tokens on the device once every chunk of the prefix arrived (what ``load`` returns)."""
+        return sum(self.tokens_by_tier.values())
+
+
 class _CopyCounters:
     def __init__(self) -> None:
         self.bytes = {"to_host": 0, "to_device": 0}
@@ -137,10 +159,10 @@ def _request_keys(cache_salt: str | None = None, lora_name: str | None = None,
 class Engine:
     """A running kvtier stack. Obtain one from :func:`open` (or :func:`start_in_thread`).
 
-    Every method that keys a request (``load``, ``load_with_sources``, ``store``,
-    ``cached_prefix_tokens``, ``chunk_keys``) also takes keyword-only *extra keys*, hashed into
-    the chunk keys exactly as vLLM 0.33 does (:class:`kvtier.keys.RequestExtraKeys`): a call
-    finds only chunks stored with the same values.
+    Every method that keys a request (``load``, ``load_with_sources``, ``load_layerwise``,
+    ``store``, ``cached_prefix_tokens``, ``chunk_keys``) also takes keyword-only *extra keys*,
+    hashed into the chunk keys exactly as vLLM 0.33 does (:class:`kvtier.keys.RequestExtraKeys`):
+    a call finds only chunks stored with the same values.
 
     * ``cache_salt``: the tenant's salt (non-empty str); isolates its chunks from every other
       salt and from unsalted requests.
@@ -292,11 +314,30 @@ class Engine:
             tier.set_wakeup(self._wake)
             await tg.start(tier.run)
         self.manager = self.spec.create_manager(self.host, self.tiers)
+        self._check_backpressure_reached_the_manager()
         if self.publisher is not None:
             await tg.start(self.publisher.run)
         self._setup_metrics(metrics)
         tg.start_soon(self._drive)
         self._running = True
+
+    def _check_backpressure_reached_the_manager(self) -> None:
+        """A configured ``backpressure`` must act: the manager needs a detector for every tier
+        that has one. An out-of-tree spec overriding ``create_manager`` can silently drop them."""
+        detectors = self.manager.backpressure_detectors
+        for i, tier_cfg in enumerate(self.config.secondary_tiers):
+            settings = self.config.backpressure_for(tier_cfg)
+            if settings is None or (i < len(detectors) and detectors[i] is not None):
+                continue
+            own = tier_cfg.backpressure is not None
+            key = f"secondary_tiers[{tier_cfg.index}].backpressure" if own else "backpressure"
+            value = dict((tier_cfg.backpressure if own else self.config.backpressure) or {})
+            raise ConfigError(
+                f"{key}: {value!r} is configured for tier {tier_cfg.label}, but the manager that spec "
+                f"{self.config.spec_name!r} built has no back-pressure detector for it, so it would never "
+                "act; a spec that overrides create_manager must pass backpressure=self.backpressure to "
+                "TieringManager (or remove this key)"
+            )
 
     def _setup_metrics(self, metrics: Mapping[str, Any] | None) -> None:
         from kvtier.metrics import EngineMetrics, serve_metrics
@@ -541,43 +582,75 @@ class Engine:
     async def _load(self, token_ids: Sequence[int], block_ids: Sequence[int],
                     params: Mapping[str, Any] | None, num_computed_tokens: int,
                     extras: RequestExtraKeys) -> LoadOutcome:
+        staged = await self._stage_load(token_ids, block_ids, params, num_computed_tokens, extras)
+        arrived = False
+        try:
+            if not staged.hit_keys:
+                return LoadOutcome(0, {})
+            result = await self._copy("to_device", staged.slot_ids, staged.block_ids)
+            if not result.success:
+                logger.error("host→device copy failed: %s", result.error)
+                return LoadOutcome(0, {})
+            arrived = True
+            return LoadOutcome(staged.tokens, dict(staged.tokens_by_tier))
+        finally:
+            self._finish_load(staged, arrived=arrived)
+
+    async def _stage_load(self, token_ids: Sequence[int], block_ids: Sequence[int],
+                          params: Mapping[str, Any] | None, num_computed_tokens: int,
+                          extras: RequestExtraKeys) -> StagedLoad:
+        """Everything a load does before its host→device copy; ``load`` and ``load_layerwise`` share it.
+
+        Keys ``token_ids`` with ``extras``, starts the request, takes the chunks from chunk
+        ``num_computed_tokens // chunk_tokens`` on (capped by ``max_load_tokens``), checks the
+        block ids they would use, resolves the prefix held in host memory (promotions awaited, see
+        :meth:`_resolve_prefix`), records its chunks for self-describing events and pins it.
+
+        The caller owns the result and must hand it to :meth:`_finish_load` exactly once, whatever
+        happens to its copy. If this raises (bad block ids, cancellation), it has finished the
+        request itself and nothing stays pinned.
+        """
         hashes, keys = self._hashes_and_keys(token_ids, extras)
         first = num_computed_tokens // self.chunk_tokens
         ctx = self._context("load", params, keys[first:], first)
         self.manager.on_new_request(ctx)
-        limit = ctx.params.max_load_tokens
-        candidates = keys[first:]
-        if limit is not None:
-            candidates = candidates[: limit // self.chunk_tokens]
+        staged = StagedLoad(ctx)
         try:
+            candidates = keys[first:]
+            limit = ctx.params.max_load_tokens
+            if limit is not None:
+                candidates = candidates[: limit // self.chunk_tokens]
             bpc = self.blocks_per_chunk
             check_block_ids(block_ids, first * bpc, (first + len(candidates)) * bpc, self.num_device_blocks)
             hit_keys = await self._resolve_prefix(candidates, ctx)
             if not hit_keys:
-                return LoadOutcome(0, {})
+                return staged
             self._remember_chunks(token_ids, hashes, hit_keys, extras, first)
-            slot_ids = self.manager.prepare_load(hit_keys, ctx)
-            try:
-                start = first * self.blocks_per_chunk
-                end = (first + len(hit_keys)) * self.blocks_per_chunk
-                result = await self._copy("to_device", slot_ids, list(block_ids[start:end]))
-            finally:
-                self.manager.complete_load(hit_keys, ctx)
-            if not result.success:
-                logger.error("host→device copy failed: %s", result.error)
-                return LoadOutcome(0, {})
-            self.manager.touch(hit_keys, ctx)
+            staged.slot_ids = self.manager.prepare_load(hit_keys, ctx)
+            staged.hit_keys = hit_keys
+            staged.block_ids = list(block_ids[first * bpc : (first + len(hit_keys)) * bpc])
             # Count only tokens beyond what the caller already had: the first chunk may start
             # before num_computed_tokens when that is not chunk-aligned.
-            by_tier: dict[str, int] = {}
             for i, key in enumerate(hit_keys, start=first):
                 new_tokens = (i + 1) * self.chunk_tokens - max(i * self.chunk_tokens, num_computed_tokens)
                 if new_tokens > 0:
                     label = self.manager.get_load_source(key, ctx)
-                    by_tier[label] = by_tier.get(label, 0) + new_tokens
-            return LoadOutcome(sum(by_tier.values()), by_tier)
+                    staged.tokens_by_tier[label] = staged.tokens_by_tier.get(label, 0) + new_tokens
+        except BaseException:
+            self._finish_load(staged, arrived=False)
+            raise
+        return staged
+
+    def _finish_load(self, staged: StagedLoad, *, arrived: bool) -> None:
+        """End a staged load: unpin its chunks, count them as used (recency) only if ``arrived``
+        (every byte reached the device), finish the request and publish its events."""
+        try:
+            if staged.hit_keys:
+                self.manager.complete_load(staged.hit_keys, staged.ctx)
+                if arrived:
+                    self.manager.touch(staged.hit_keys, staged.ctx)
         finally:
-            self.manager.on_request_finished(ctx)
+            self.manager.on_request_finished(staged.ctx)
             self._publish_events()
 
     async def _resolve_prefix(self, keys: Sequence[bytes], ctx: RequestContext) -> list[bytes]:
@@ -795,35 +868,36 @@ class Engine:
     # ------------------------------------------------------------------ layer-wise loading
     def load_layerwise(self, token_ids: Sequence[int], block_ids: Sequence[int],
                        params: Mapping[str, Any] | None = None, *, num_computed_tokens: int = 0,
-                       layers_per_group: int = 1) -> LayerwiseLoad:
+                       layers_per_group: int = 1, cache_salt: str | None = None,
+                       lora_name: str | None = None, lora_path: str | None = None,
+                       mm_items: Sequence[tuple[str, int, int]] | None = None,
+                       prompt_embeds: torch.Tensor | None = None) -> LayerwiseLoad:
         """:meth:`load`, delivered layer group by layer group (semantics: ``kvtier.layerwise``).
 
         ``async with engine.load_layerwise(...) as layers:`` stages the load as :meth:`load`
-        does (promotions awaited); ``layers.tokens`` is then what :meth:`load` would return, and
+        does (the same code: promotions awaited, ``max_load_tokens``, pins); ``layers.tokens`` is
+        then what :meth:`load` would return, and
         ``async for group in layers`` yields each ``LayerGroup(start, stop)`` of
         ``layers_per_group`` layers once its bytes are on the device, in layer order. A failed
         copy raises :class:`kvtier.layerwise.LayerwiseLoadError` from the iteration: recompute
         the whole prefix. Leaving the block waits for the copies in flight, then unpins.
 
-        Arguments are checked at the call as for :meth:`load` (the block ids on entering);
-        ``layers_per_group`` is an int >= 1; an engine opened without ``device_kv`` raises
-        ``RuntimeError``; a closing engine :class:`kvtier.EngineClosedError`.
+        Arguments are checked at the call as for :meth:`load` (the block ids on entering), the
+        extra keys included (see :class:`Engine`: only chunks stored with the same ones are
+        found); ``layers_per_group`` is an int >= 1; an engine opened without ``device_kv``
+        raises ``RuntimeError``; a closing engine :class:`kvtier.EngineClosedError`.
         """
         from kvtier.layerwise import LayerwiseLoad, check_layers_per_group
 
         self._check_open("load_layerwise")
+        extras = _request_keys(cache_salt, lora_name, lora_path, mm_items, prompt_embeds)
         token_ids = int_ids(token_ids, "token_ids")
         block_ids = int_ids(block_ids, "block_ids")
         num_computed_tokens = count(num_computed_tokens, "num_computed_tokens")
         layers_per_group = check_layers_per_group(layers_per_group)
         if self.copy_engine is None:
             raise RuntimeError("this engine was opened without device_kv; it cannot load KV layer-wise")
-        hashes, keys = self._hashes_and_keys(token_ids, NO_EXTRA_KEYS)
-
-        def remember(hit_keys: Sequence[bytes], first_chunk: int) -> None:
-            self._remember_chunks(token_ids, hashes, hit_keys, NO_EXTRA_KEYS, first_chunk)
-
-        return LayerwiseLoad(self, token_ids, block_ids, params, keys, remember,
+        return LayerwiseLoad(self, token_ids, block_ids, params, extras,
                              num_computed_tokens=num_computed_tokens, layers_per_group=layers_per_group)
 
 
@@ -1040,14 +1114,18 @@ class ThreadedEngine:
 
     def load_layerwise(self, token_ids: Sequence[int], block_ids: Sequence[int],
                        params: Mapping[str, Any] | None = None, *, num_computed_tokens: int = 0,
-                       layers_per_group: int = 1) -> BlockingLayerwiseLoad:
+                       layers_per_group: int = 1, cache_salt: str | None = None,
+                       lora_name: str | None = None, lora_path: str | None = None,
+                       mm_items: Sequence[tuple[str, int, int]] | None = None,
+                       prompt_embeds: torch.Tensor | None = None) -> BlockingLayerwiseLoad:
         """Blocking :meth:`Engine.load_layerwise`: ``with engine.load_layerwise(...) as layers:``
         then ``for group in layers:``, each step blocking until that group is on the device."""
         from kvtier.layerwise import BlockingLayerwiseLoad
 
         load = self._call("load_layerwise", lambda: self.engine.load_layerwise(
             token_ids, block_ids, params, num_computed_tokens=num_computed_tokens,
-            layers_per_group=layers_per_group))
+            layers_per_group=layers_per_group, cache_salt=cache_salt, lora_name=lora_name,
+            lora_path=lora_path, mm_items=mm_items, prompt_embeds=prompt_embeds))
         return BlockingLayerwiseLoad(load, self._call)
 
 

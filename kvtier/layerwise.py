@@ -9,12 +9,14 @@
 
 Semantics callers rely on:
 
-* **Entering** does what :meth:`kvtier.Engine.load` does before its copy, with the same rules:
-  the chunks are looked up from ``num_computed_tokens`` on, promotions from secondary tiers are
-  awaited (the prefix ends at a chunk whose promotion fails or does not finish within the
-  engine's ``wait_timeout_s``), ``max_load_tokens`` caps it, and the host slots of the prefix are
-  pinned. Then one host→device copy per group of ``layers_per_group`` layers is submitted, all
-  at once, in layer order. From here :attr:`LayerwiseLoad.tokens` is final: the tokens beyond
+* **Entering** does what :meth:`kvtier.Engine.load` does before its copy — the same code
+  (``Engine._stage_load``), so the same rules: the chunks, keyed with the call's extra keys
+  (``cache_salt``, LoRA, ``mm_items``, ``prompt_embeds``), are looked up from
+  ``num_computed_tokens`` on, promotions from secondary tiers are awaited (the prefix ends at a
+  chunk whose promotion fails or does not finish within the engine's ``wait_timeout_s``),
+  ``max_load_tokens`` caps it, and the host slots of the prefix are pinned. Then one
+  host→device copy per group of ``layers_per_group`` layers is submitted, all at once, in layer
+  order. From here :attr:`LayerwiseLoad.tokens` is final: the tokens beyond
   ``num_computed_tokens`` that the prefix adds once every group has arrived
   (:attr:`LayerwiseLoad.tokens_by_tier` per tier label), i.e. what ``load`` would return.
 * **Iterating** yields every group exactly once, in layer order, as ``LayerGroup(start, stop)``
@@ -48,7 +50,7 @@ Semantics callers rely on:
 the calling thread until the next group is on the device.
 
 The engine's internals this module relies on are listed in :class:`LoadingEngine`; it sits below
-``kvtier.api`` (it never imports it) and above the manager and the copy engines.
+``kvtier.api`` (it imports it only for type checking) and above the copy engines.
 """
 
 from __future__ import annotations
@@ -64,13 +66,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import anyio
 
-from kvtier.arguments import check_block_ids
 from kvtier.errors import KvtierError
 
 if TYPE_CHECKING:
-    from kvtier.context import RequestContext
+    from kvtier.api import StagedLoad
+    from kvtier.keys import RequestExtraKeys
     from kvtier.layout import KVGeometry
-    from kvtier.manager import TieringManager
     from kvtier.tiers.copy_engine import CopyEngine, CopyResult
 
 __all__ = ["LayerGroup", "LayerwiseLoad", "LayerwiseLoadError", "BlockingLayerwiseLoad", "layer_groups"]
@@ -127,22 +128,16 @@ class CopyCounters(Protocol):
 class LoadingEngine(Protocol):
     """What a layer-wise load uses of :class:`kvtier.Engine` (all on the engine's loop thread).
 
-    A copy result lands in ``_copy_waiters[job_id]`` (its event is set) when ``_dispatch``
-    drains the copy engine, which the engine's drive task does on every wake-up.
+    ``_stage_load`` is the start of every load (lookups, promotions, ``max_load_tokens``, block-id
+    checks, pins); ``_finish_load`` its end (unpin, recency, request finished). A copy result lands
+    in ``_copy_waiters[job_id]`` (its event is set) when ``_dispatch`` drains the copy engine, which
+    the engine's drive task does on every wake-up.
     """
 
-    @property
-    def manager(self) -> TieringManager: ...
     @property
     def copy_engine(self) -> CopyEngine | None: ...
     @property
     def geometry(self) -> KVGeometry: ...
-    @property
-    def chunk_tokens(self) -> int: ...
-    @property
-    def blocks_per_chunk(self) -> int: ...
-    @property
-    def num_device_blocks(self) -> int | None: ...
     @property
     def _copy_ids(self) -> Iterator[int]: ...
     @property
@@ -152,10 +147,10 @@ class LoadingEngine(Protocol):
 
     def _check_open(self, method: str) -> None: ...
     def _operation(self) -> AbstractAsyncContextManager[None]: ...
-    def _context(self, kind: str, params: Mapping[str, Any] | None, keys: Sequence[bytes],
-                 first_chunk: int = 0) -> RequestContext: ...
-    async def _resolve_prefix(self, keys: Sequence[bytes], ctx: RequestContext) -> list[bytes]: ...
-    def _publish_events(self) -> None: ...
+    async def _stage_load(self, token_ids: Sequence[int], block_ids: Sequence[int],
+                          params: Mapping[str, Any] | None, num_computed_tokens: int,
+                          extras: RequestExtraKeys) -> StagedLoad: ...
+    def _finish_load(self, staged: StagedLoad, *, arrived: bool) -> None: ...
     def _dispatch(self) -> None: ...
 
 
@@ -192,8 +187,7 @@ class LayerwiseLoad:
         token_ids: Sequence[int],
         block_ids: Sequence[int],
         params: Mapping[str, Any] | None,
-        keys: Sequence[bytes],
-        remember: Callable[[Sequence[bytes], int], None],
+        extras: RequestExtraKeys,
         *,
         num_computed_tokens: int,
         layers_per_group: int,
@@ -202,8 +196,7 @@ class LayerwiseLoad:
         self._token_ids = token_ids
         self._block_ids = block_ids
         self._params = params
-        self._keys = keys
-        self._remember = remember
+        self._extras = extras
         self._num_computed = num_computed_tokens
         self.groups: list[LayerGroup] = layer_groups(engine.geometry.num_layers, layers_per_group)
         #: Tokens beyond ``num_computed_tokens`` the prefix adds once every group arrived (on entry).
@@ -214,8 +207,7 @@ class LayerwiseLoad:
         self._iterating = False
         self._next = 0  # index of the next group to yield
         self._failure: LayerwiseLoadError | None = None
-        self._ctx: RequestContext | None = None
-        self._pinned: list[bytes] = []
+        self._staged: StagedLoad | None = None  # set once staged; handed to _finish_load on leaving
         self._copies: list[_GroupCopy] = []
         self._stack = contextlib.AsyncExitStack()
 
@@ -281,34 +273,14 @@ class LayerwiseLoad:
 
     # --- internals --------------------------------------------------------------------------------
     async def _stage(self) -> None:
-        """Everything ``load`` does before its copy; then submit one copy per group."""
-        engine = self._engine
-        manager = engine.manager
-        chunk_tokens, bpc = engine.chunk_tokens, engine.blocks_per_chunk
-        first = self._num_computed // chunk_tokens
-        ctx = self._ctx = engine._context("load", self._params, self._keys[first:], first)
-        manager.on_new_request(ctx)
-        candidates = list(self._keys[first:])
-        limit = ctx.params.max_load_tokens
-        if limit is not None:
-            candidates = candidates[: limit // chunk_tokens]
-        check_block_ids(self._block_ids, first * bpc, (first + len(candidates)) * bpc, engine.num_device_blocks)
-        hit_keys = await engine._resolve_prefix(candidates, ctx)
-        if not hit_keys:
-            return
-        self._remember(hit_keys, first)
-        slot_ids = manager.prepare_load(hit_keys, ctx)
-        self._pinned = hit_keys
-        for i, key in enumerate(hit_keys, start=first):
-            # As load counts: only tokens beyond what the caller already had.
-            new_tokens = (i + 1) * chunk_tokens - max(i * chunk_tokens, self._num_computed)
-            if new_tokens > 0:
-                label = manager.get_load_source(key, ctx)
-                self.tokens_by_tier[label] = self.tokens_by_tier.get(label, 0) + new_tokens
-        self.tokens = sum(self.tokens_by_tier.values())
-        blocks = list(self._block_ids[first * bpc : (first + len(hit_keys)) * bpc])
-        for group in self.groups:
-            self._copies.append(self._submit(slot_ids, blocks, group))
+        """Stage as ``load`` does (the engine's own code); then submit one copy per group."""
+        staged = self._staged = await self._engine._stage_load(
+            self._token_ids, self._block_ids, self._params, self._num_computed, self._extras)
+        self.tokens_by_tier = dict(staged.tokens_by_tier)
+        self.tokens = staged.tokens
+        if staged.hit_keys:
+            for group in self.groups:
+                self._copies.append(self._submit(staged.slot_ids, staged.block_ids, group))
 
     def _submit(self, slot_ids: list[int], blocks: list[int], group: LayerGroup) -> _GroupCopy:
         from kvtier.tiers.copy_engine import CopyJob
@@ -339,10 +311,11 @@ class LayerwiseLoad:
             self._engine._copy_counters.record("to_device", copy.result)
 
     async def _leave(self) -> None:
-        """Withdraw copies not started, wait for the rest (shielded), unpin, finish the request."""
+        """Withdraw copies not started, wait for the rest (shielded), then end the staged load."""
         self._state = _State.LEFT
         engine = self._engine
-        manager = engine.manager
+        arrived = False
+        copies_done = not self._copies  # until then a copy may still read the pinned slots
         try:
             with anyio.CancelScope(shield=True):
                 copy_engine = engine.copy_engine
@@ -352,22 +325,22 @@ class LayerwiseLoad:
                 try:
                     # Every job is reported exactly once (also when the engine closes): this ends.
                     await self._wait_for(self._copies)
+                    copies_done = True
                 finally:
                     for copy in self._copies:
                         engine._copy_waiters.pop(copy.job_id, None)
             for copy in self._copies:
                 self._count(copy)
             arrived = bool(self._copies) and all(c.result.success for c in self._copies)
-            ctx = self._ctx
-            if self._pinned and ctx is not None:
-                manager.complete_load(self._pinned, ctx)
-                if arrived:
-                    manager.touch(self._pinned, ctx)
         finally:
             try:
-                if self._ctx is not None:
-                    manager.on_request_finished(self._ctx)
-                    engine._publish_events()
+                staged = self._staged
+                if staged is not None:
+                    if not copies_done:
+                        # The wait itself failed: keep the slots pinned (a leak), never let one be
+                        # reused while a copy may still read it.
+                        staged.hit_keys = []
+                    engine._finish_load(staged, arrived=arrived)
             finally:
                 await self._stack.aclose()
 

@@ -196,6 +196,56 @@ async def test_tier_start_failure_is_a_plain_config_error(tmp_path) -> None:  # 
             pass  # pragma: no cover
 
 
+def test_every_public_name_resolves_to_its_module() -> None:
+    import importlib
+
+    from kvtier import _EXPORTS
+
+    assert set(kvtier.__all__) == set(_EXPORTS) | {"__version__"}
+    for name, module in _EXPORTS.items():
+        assert getattr(kvtier, name) is getattr(importlib.import_module(module), name), name
+    for name in ("RequestExtraKeys", "MultimodalItem", "LayerwiseLoadError", "LayerGroup"):
+        assert name in kvtier.__all__
+
+
+SPECS_MODULE = """
+from kvtier.manager import TieringManager, TieringOffloadingSpec
+
+
+class DroppingSpec(TieringOffloadingSpec):  # forgets to pass the detectors on
+    def create_manager(self, host, tiers):
+        return TieringManager(host, tiers)
+
+
+class PassingSpec(TieringOffloadingSpec):
+    def create_manager(self, host, tiers):
+        return TieringManager(host, tiers, backpressure=self.backpressure)
+"""
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("where", ["top_level", "per_tier"])
+async def test_a_custom_spec_that_drops_the_configured_backpressure_is_refused(
+    where: str, tmp_path, monkeypatch: pytest.MonkeyPatch  # noqa: ANN001
+) -> None:
+    (tmp_path / "kvtier_test_bp_specs.py").write_text(SPECS_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    bp = {"backpressure_cls": "EMABackpressureDetector", "policy_cls": "DropStorePolicy"}
+    memory = {"type": "memory", "capacity_bytes": 1 << 20}
+    if where == "top_level":
+        config, key = {**tiering_config(tiers=[memory]), "backpressure": bp}, "backpressure"
+    else:
+        config = tiering_config(tiers=[memory, {**memory, "backpressure": bp}])
+        key = r"secondary_tiers\[1\]\.backpressure"
+    config["spec_module_path"] = "kvtier_test_bp_specs"
+    with pytest.raises(ConfigError, match=rf"^{key}: .*DropStorePolicy.*backpressure=self\.backpressure"):
+        async with kvtier.open({**config, "spec_name": "DroppingSpec"}, geometry(), device_kv()):
+            pass  # pragma: no cover
+    # The same configuration acts when the spec passes the detectors on.
+    async with kvtier.open({**config, "spec_name": "PassingSpec"}, geometry(), device_kv()) as engine:
+        assert engine.manager.backpressure_detectors[-1] is not None
+
+
 @pytest.mark.anyio
 async def test_load_counts_only_tokens_beyond_what_the_caller_had() -> None:
     kv = device_kv()

@@ -31,13 +31,27 @@ def _env() -> dict[str, str]:
 # ------------------------------------------------------------------------------ README program
 
 
-def readme_embedding_program() -> str:
-    """The first ```python block of the README's "Embedding kvtier" section, verbatim."""
+def readme_program(heading: str) -> str:
+    """The first ```python block of the README section ``heading``, verbatim."""
     text = README.read_text(encoding="utf-8")
-    section = text[text.index("## Embedding kvtier"):]
+    section = text[text.index(heading):]
     match = re.search(r"^```python\n(.*?)^```$", section, re.S | re.M)
-    assert match, "no ```python block in the Embedding section"
+    assert match, f"no ```python block in the section {heading!r}"
     return match.group(1)
+
+
+def readme_embedding_program() -> str:
+    return readme_program("## Embedding kvtier")
+
+
+def run_program(program: str, tmp_path: Path) -> list[str]:
+    """Run ``program`` as a script in a fresh interpreter, as a reader would; its stdout lines."""
+    script = tmp_path / "readme_program.py"
+    script.write_text(program, encoding="utf-8")
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.splitlines()
 
 
 def test_the_readme_program_is_complete() -> None:
@@ -49,15 +63,18 @@ def test_the_readme_program_is_complete() -> None:
 
 
 def test_the_readme_program_runs_on_cpu(tmp_path: Path) -> None:
-    script = tmp_path / "readme_program.py"
-    script.write_text(readme_embedding_program(), encoding="utf-8")
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=_env(), capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.splitlines() == [
+    assert run_program(readme_embedding_program(), tmp_path) == [
         "first request: 0 tokens loaded, 100 to compute",
         "second request: 96 tokens loaded, 4 to compute",
     ]
+
+
+def test_the_readme_layerwise_program_runs_on_cpu(tmp_path: Path) -> None:
+    program = readme_program("## Layer-wise loading")
+    for needed in ("import kvtier", "asyncio.run(", "load_layerwise(", "async for group in layers",
+                   "except kvtier.LayerwiseLoadError"):
+        assert needed in program, needed
+    assert run_program(program, tmp_path) == ["96 tokens arrive layer by layer, 4 to compute"]
 
 
 def test_the_readme_lists_the_extras() -> None:

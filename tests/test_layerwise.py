@@ -230,6 +230,38 @@ async def test_a_miss_yields_every_group_at_once_and_copies_nothing(hook: CopyHo
         assert pinned(engine) == 0
 
 
+@pytest.mark.anyio
+async def test_extra_keys_key_the_load_and_its_event_metadata_as_load_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    kv = make_kv(cross_layer=False)
+    tokens = prompt(2, seed=15)
+    tenant = {"cache_salt": "tenant-a", "lora_name": "sql", "lora_path": "/adapters/sql"}
+    config = {**host_config(), "self_describing_kv_events": True}
+    async with kvtier.open(config, geometry(), kv, events={"endpoint": "tcp://127.0.0.1:*"}) as engine:
+        written = fill(kv, [0, 1], seed=15)
+        assert await engine.store(tokens, [0, 1], **tenant) == 2 * BLOCK
+        zero(kv)
+        for other in ({}, {**tenant, "cache_salt": "tenant-b"}):  # another tenant, or none: a miss
+            async with engine.load_layerwise(tokens, [4, 5], **other) as layers:
+                assert layers.tokens == 0 and [g async for g in layers] == ALL_GROUPS
+        assert not any(page(kv, layer, b).any() for layer in range(LAYERS) for b in (4, 5))
+
+        remembered: list[tuple[bytes, Any]] = []  # what self-describing events will say of the chunks
+        monkeypatch.setattr(engine.translator, "remember_chunk", lambda key, md: remembered.append((key, md)))
+        async with engine.load_layerwise(tokens, [4, 5], **tenant) as layers:
+            assert layers.tokens == 2 * BLOCK
+            assert [g async for g in layers] == ALL_GROUPS
+        assert all(layer_in_place(kv, layer, [4, 5], written) for layer in range(LAYERS))
+        by_layerwise = remembered[:]
+        remembered.clear()
+        assert await engine.load(tokens, [8, 9], **tenant) == 2 * BLOCK
+        assert by_layerwise == remembered
+        assert [key for key, _ in remembered] == engine.chunk_keys(tokens, **tenant)
+        assert [md.lora_name for _, md in remembered] == ["sql", "sql"]
+        assert pinned(engine) == 0
+
+
 # --- failures ------------------------------------------------------------------------------------
 @pytest.mark.anyio
 @pytest.mark.parametrize("cross_layer", [False, True], ids=["per_layer", "cross_layer"])

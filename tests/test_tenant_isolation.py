@@ -84,6 +84,8 @@ async def test_host_memory_serves_a_chunk_only_to_its_own_keys(pair: str) -> Non
         for keys in (other, {}):
             assert engine.cached_prefix_tokens(PROMPT, **keys) == 0
             assert await engine.load(PROMPT, list(range(10, 16)), **keys) == 0
+            async with engine.load_layerwise(PROMPT, list(range(10, 16)), **keys) as layers:
+                assert layers.tokens == 0 and [g async for g in layers] == [(0, 1), (1, 2)]
         assert not any(layer[10:16].any() for layer in kv)
         assert not set(engine.chunk_keys(PROMPT, **mine)) & set(engine.chunk_keys(PROMPT, **other))
 
@@ -95,6 +97,12 @@ async def test_host_memory_serves_a_chunk_only_to_its_own_keys(pair: str) -> Non
         assert all(block_equals(kv, 20 + b, data[b]) for b in range(6))
         assert await engine.load(PROMPT, list(range(30, 36)), **other) == 3 * CHUNK
         assert all(block_equals(kv, 30 + b, theirs[b]) for b in range(6))
+        # Layer-wise loading keys the request the same way: each tenant gets its own bytes.
+        for keys, expected in ((mine, data), (other, theirs)):
+            async with engine.load_layerwise(PROMPT, list(range(40, 46)), **keys) as layers:
+                assert layers.tokens_by_tier == {"0:primary": 3 * CHUNK}
+                assert [g async for g in layers] == [(0, 1), (1, 2)]
+            assert all(block_equals(kv, 40 + b, expected[b]) for b in range(6))
 
 
 @pytest.mark.anyio
@@ -116,6 +124,13 @@ async def test_a_shared_fs_tier_serves_a_chunk_only_to_its_own_keys(pair: str, t
         outcome = await reader.load_with_sources(PROMPT, list(range(20, 26)), **mine)
         assert outcome.tokens_by_tier == {"1:fs": 3 * CHUNK}
         assert all(block_equals(kv, 20 + b, data[b]) for b in range(6))
+        async with reader.load_layerwise(PROMPT, list(range(30, 36)), **other) as layers:
+            assert layers.tokens == 0
+        await reader.reset_cache()  # host memory forgets: the layer-wise load promotes from disk
+        async with reader.load_layerwise(PROMPT, list(range(30, 36)), **mine) as layers:
+            assert layers.tokens_by_tier == {"1:fs": 3 * CHUNK}
+            assert len([g async for g in layers]) == LAYERS
+        assert all(block_equals(kv, 30 + b, data[b]) for b in range(6))
         assert reader.cached_prefix_tokens(PROMPT, **mine) == 3 * CHUNK
 
 
@@ -150,8 +165,13 @@ def test_the_blocking_facade_passes_the_extra_keys_through() -> None:
             partial = {k: v for k, v in mine.items() if k not in dropped}  # any one missing: a miss
             assert engine.cached_prefix_tokens(PROMPT, **partial) == 0
             assert engine.load(PROMPT, list(range(10, 16)), **partial) == 0
+            with engine.load_layerwise(PROMPT, list(range(10, 16)), **partial) as layers:
+                assert layers.tokens == 0
         assert engine.load_with_sources(PROMPT, list(range(20, 26)), **mine).tokens == 3 * CHUNK
         assert all(block_equals(kv, 20 + b, data[b]) for b in range(6))
+        with engine.load_layerwise(PROMPT, list(range(30, 36)), **mine) as layers:
+            assert layers.tokens == 3 * CHUNK and len(list(layers)) == LAYERS
+        assert all(block_equals(kv, 30 + b, data[b]) for b in range(6))
         with pytest.raises(ValueError, match="cache_salt"):
             engine.load(PROMPT, list(range(10, 16)), cache_salt="")
     finally:
@@ -168,13 +188,16 @@ BAD = {
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("method", ["load", "load_with_sources", "store", "cached_prefix_tokens", "chunk_keys"])
+@pytest.mark.parametrize("method", ["load", "load_with_sources", "load_layerwise", "store",
+                                    "cached_prefix_tokens", "chunk_keys"])
 async def test_bad_extra_keys_raise_at_the_call(method: str) -> None:
     async with kvtier.open(config(), geometry(), device_kv()) as engine:
         for bad, error, message in BAD.values():
             with pytest.raises(error, match=message):
                 if method in ("load", "load_with_sources", "store"):
                     await getattr(engine, method)(PROMPT, list(range(6)), **bad)
+                elif method == "load_layerwise":  # at the call, before the `async with`
+                    engine.load_layerwise(PROMPT, list(range(6)), **bad)
                 else:
                     getattr(engine, method)(PROMPT, **bad)
         stats = engine.statistics()
