@@ -470,12 +470,19 @@ class Engine:
 
     def _remember_chunks(self, token_ids: Sequence[int], hashes: Sequence[bytes],
                          keys: Sequence[bytes], extras: RequestExtraKeys, first_chunk: int = 0) -> None:
-        """Give the event translator what self-describing events say about these chunks."""
-        if self.translator is None or not self.config.self_describing_kv_events:
+        """Give the event translator what self-describing events say about these chunks.
+
+        ``keys`` are consecutive chunks from chunk ``first_chunk`` on. Each chunk's metadata
+        carries its blocks' slice of ``extras.per_block`` (``None`` for a plain request), which
+        the translator publishes untagged, as vLLM does.
+        """
+        if self.translator is None or not self.config.self_describing_kv_events or not keys:
             return
         from kvtier.events import ChunkMetadata
 
         bpc, tokens = self.blocks_per_chunk, self.chunk_tokens
+        # Only the blocks up to the last chunk remembered (prompt-embeds digests cost a hash).
+        per_block = extras.per_block((first_chunk + len(keys)) * bpc, self.geometry.block_size)
         for i, key in enumerate(keys, start=first_chunk):
             self.translator.remember_chunk(key, ChunkMetadata(
                 block_hashes=hashes[i * bpc : (i + 1) * bpc],
@@ -483,6 +490,7 @@ class Engine:
                 token_ids=token_ids[i * tokens : (i + 1) * tokens],
                 block_size=self.geometry.block_size,
                 lora_name=extras.lora_name,
+                extra_keys=None if per_block is None else per_block[i * bpc : (i + 1) * bpc],
             ))
 
     def _context(self, kind: str, params: Mapping[str, Any] | None, keys: Sequence[bytes],

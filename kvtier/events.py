@@ -8,7 +8,8 @@ Three layers, each usable alone:
   ``[ts, [events…], data_parallel_rank]``. A consumer written for vLLM decodes kvtier's stream.
 * :class:`EventTranslator` turns the tiers' :class:`~kvtier.types.OffloadingEvent` records into
   those structs, either as placeholders (one per offload key) or, in self-describing mode, with the
-  chunk's constituent block hashes, parent hash, token ids, block size, LoRA name and group.
+  chunk's constituent block hashes, parent hash, token ids, block size, LoRA name, per-block extra
+  keys (:func:`event_extra_keys`) and group.
 * :class:`ZmqEventPublisher` is an engine component that sends batches on a ZMQ PUB socket from a
   thread it owns, keeps a replay ring buffer behind an optional ROUTER socket, and never blocks the
   serving path (a full queue drops the batch and counts it).
@@ -51,6 +52,7 @@ __all__ = [
     "KVEvent",
     "KVEventBatch",
     "ChunkMetadata",
+    "event_extra_keys",
     "EventTranslator",
     "external_hash",
     "PublisherStatistics",
@@ -93,7 +95,8 @@ class BlockStored(_KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
-    extra_keys: list[Any] | None = None
+    #: One entry per block of ``block_hashes``, untagged (:func:`event_extra_keys`), or ``None``.
+    extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
@@ -146,7 +149,10 @@ class ChunkMetadata:
 
     ``block_hashes`` are the chunk's constituent per-block hashes, ``parent_block_hash`` the hash
     preceding the chunk (``None`` for the first chunk of a sequence), ``token_ids`` the chunk's
-    tokens and ``block_size`` the tokens per block.
+    tokens and ``block_size`` the tokens per block. ``extra_keys`` are the chunk's blocks' extra
+    keys as they were hashed (tagged: one entry per block hash, a tuple or ``None``; the chunk's
+    slice of :meth:`kvtier.keys.RequestExtraKeys.per_block`), or ``None`` for a request without
+    any; they are published untagged (:func:`event_extra_keys`).
     """
 
     block_hashes: Sequence[bytes]
@@ -155,6 +161,7 @@ class ChunkMetadata:
     block_size: int
     lora_name: str | None = None
     group_idx: int = 0
+    extra_keys: Sequence[tuple[Any, ...] | None] | None = None
 
     def __post_init__(self) -> None:
         # Snapshot the caller's lists: the translator may hold this long after the request ends.
@@ -162,6 +169,32 @@ class ChunkMetadata:
         object.__setattr__(self, "token_ids", tuple(self.token_ids))
         if self.block_size < 0 or self.group_idx < 0:
             raise ValueError("block_size and group_idx must be non-negative")
+        if self.extra_keys is not None:
+            extra_keys = tuple(self.extra_keys)
+            if len(extra_keys) != len(self.block_hashes):
+                raise ValueError(
+                    f"extra_keys has {len(extra_keys)} entries for {len(self.block_hashes)} block hashes"
+                )
+            object.__setattr__(self, "extra_keys", extra_keys)
+
+
+def event_extra_keys(
+    extra_keys: Sequence[tuple[Any, ...] | None] | None,
+) -> list[tuple[Any, ...] | None] | None:
+    """Per-block extra keys as vLLM 0.33 publishes them in ``BlockStored.extra_keys``: untagged.
+
+    Each block's tagged entries (:mod:`kvtier.keys`) become, in the same order: the LoRA name
+    for ``("lora", name, path)`` (the path is not published), ``(identifier, offset)`` for
+    ``("mm", identifier, offset)``, the salt for ``("cache_salt", salt)`` and the digest bytes for
+    ``("prompt_embeds", digest)``; a block without entries stays ``None``. ``None`` or an empty
+    sequence gives ``None``; otherwise there is one entry per block, ``None`` ones included.
+    """
+    if not extra_keys:
+        return None
+    return [
+        None if entries is None else tuple(entry[1:] if entry[0] == "mm" else entry[1] for entry in entries)
+        for entries in extra_keys
+    ]
 
 
 @dataclass(slots=True)
@@ -263,6 +296,7 @@ class EventTranslator:
                         lora_id=None,
                         medium=medium,
                         lora_name=md.lora_name,
+                        extra_keys=event_extra_keys(md.extra_keys),
                         group_idx=md.group_idx,
                         locality=locality,
                         ownership=ownership,
@@ -640,8 +674,9 @@ def _attach(socket: Any, key: str, endpoint: str, *, bind: bool) -> None:
 
 
 # Estimated memory of a queued batch: a fixed cost per batch and per event (the structs, their
-# lists) plus one per list element (a pointer and, mostly, an int object of its own). Close
-# enough to bound memory; cheap enough for the serving path (two len() per event).
+# lists) plus one per list element (a pointer and, mostly, an int object of its own) and two per
+# extra-keys entry (a tuple of its own; the strings and digests in it are shared). Close enough
+# to bound memory; cheap enough for the serving path (three len() per event).
 _BATCH_BYTES = 128
 _EVENT_BYTES = 320
 _ELEMENT_BYTES = 40
@@ -652,6 +687,7 @@ def estimated_batch_bytes(events: Sequence[KVEvent]) -> int:
     elements = 0
     for event in events:
         elements += len(getattr(event, "block_hashes", ())) + len(getattr(event, "token_ids", None) or ())
+        elements += 2 * len(getattr(event, "extra_keys", None) or ())
     return _BATCH_BYTES + _EVENT_BYTES * len(events) + _ELEMENT_BYTES * elements
 
 

@@ -308,11 +308,11 @@ class _Collector:
             if completed is not None:
                 f.counter(f"kvtier_tier_{direction}s_completed", f"{direction.capitalize()} jobs the tier finished.",
                           ["tier"]).add_metric(t, completed)
-        failures = f.counter("kvtier_tier_failures", "Failed chunk operations by direction and reason.",
+        failures = f.counter("kvtier_tier_failures", "Failed jobs (and failed lookups) by direction and reason.",
                              ["tier", "direction", "reason"])
         for (direction, reason), count in sorted(dict(s.failures).items()):
             failures.add_metric([label, str(direction), str(reason)], count)
-        f.counter("kvtier_tier_rejected", "Jobs the tier rejected without trying (back-pressure, closed).",
+        f.counter("kvtier_tier_rejected", "Jobs the tier refused without trying because its queue was full (also failures, reason queue_full).",
                   ["tier"]).add_metric(t, _field(s, "rejected_jobs", "rejected"))
         f.counter("kvtier_tier_evictions", _DOC["evictions"], ["tier"]).add_metric(t, s.evictions)
         f.add_histogram("kvtier_tier_eviction_age_seconds", _DOC["eviction_age"], ["tier"], t, s.eviction_age)

@@ -6,6 +6,7 @@ so the tests check compatibility with a vLLM-style consumer rather than a round 
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import threading
@@ -15,6 +16,7 @@ import anyio
 import msgpack
 import msgspec
 import pytest
+import torch
 import zmq
 
 from kvtier.errors import ConfigError
@@ -26,12 +28,13 @@ from kvtier.events import (
     EventTranslator,
     KVEventBatch,
     ZmqEventPublisher,
+    event_extra_keys,
     external_hash,
     offset_endpoint_for_rank,
     publisher_from_config,
     run_events_cli,
 )
-from kvtier.keys import make_offload_key
+from kvtier.keys import NO_EXTRA_KEYS, RequestExtraKeys, make_offload_key
 from kvtier.types import Locality, Medium, OffloadingEvent
 
 H1 = bytes(range(32))
@@ -164,6 +167,48 @@ def test_self_describing_store_carries_constituent_hashes_parent_tokens_and_lora
         block_hashes=[as_int(b"\x01" * 32), as_int(H1)], parent_block_hash=as_int(b"\x09" * 32),
         token_ids=[1, 2, 3, 4], block_size=2, lora_id=None, medium="CPU", lora_name="adapter", group_idx=0,
     )
+
+
+def test_event_extra_keys_are_vllms_untagged_per_block_entries() -> None:
+    extras = RequestExtraKeys(cache_salt="t-1", lora_name="sql", lora_path="/adapters/sql",
+                              mm_items=[("img", 2, 5)])
+    # Per block, in vLLM's order: the LoRA name (not its path), (identifier, offset) per item,
+    # the salt on block 0 only.
+    assert event_extra_keys(extras.per_block(3, 4)) == [
+        ("sql", ("img", 2), "t-1"), ("sql", ("img", -2)), ("sql",),
+    ]
+    embeds = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    digests = [hashlib.sha256(embeds[i : i + 2].numpy().tobytes()).digest() for i in (0, 2)]
+    assert event_extra_keys(RequestExtraKeys(prompt_embeds=embeds).per_block(2, 2)) == [
+        (digests[0],), (digests[1],),
+    ]
+    # A block without entries stays None; no per-block list at all publishes None.
+    assert event_extra_keys(RequestExtraKeys(cache_salt="s").per_block(3, 4)) == [("s",), None, None]
+    assert event_extra_keys(NO_EXTRA_KEYS.per_block(3, 4)) is None
+    assert event_extra_keys([]) is None
+
+
+def test_self_describing_store_publishes_the_chunks_extra_keys_as_vllm_encodes_them() -> None:
+    translator = EventTranslator(self_describing=True)
+    digest = bytes(range(32))
+    keyed = (("lora", "sql", "/adapters/sql"), ("mm", "img", -3), ("cache_salt", "s"), ("prompt_embeds", digest))
+    translator.remember_chunk(K1, ChunkMetadata(
+        block_hashes=[b"\x01" * 32, H1], parent_block_hash=None, token_ids=[1, 2, 3, 4], block_size=2,
+        lora_name="sql", extra_keys=[keyed, None],
+    ))
+    translator.remember_chunk(K2, _meta(H2))  # no extra keys
+    batch = KVEventBatch(ts=1.0, events=translator.translate([cpu_stored(K1, K2)]))
+    keyed_event, plain_event = msgpack.unpackb(msgspec.msgpack.encode(batch))[1]
+    # msgpack arrays for the tuples, bin for the digest; between lora_name and group_idx.
+    assert keyed_event["extra_keys"] == [["sql", ["img", -3], "s", digest], None]
+    assert list(keyed_event)[7:10] == ["lora_name", "extra_keys", "group_idx"]
+    assert "extra_keys" not in plain_event  # None is omitted, as vLLM omits it
+
+
+def test_chunk_metadata_needs_one_extra_keys_entry_per_block_hash() -> None:
+    with pytest.raises(ValueError, match="extra_keys has 1 entries for 2 block hashes"):
+        ChunkMetadata(block_hashes=[H1, H2], parent_block_hash=None, token_ids=[1, 2], block_size=1,
+                      extra_keys=[None])
 
 
 def test_self_describing_removal_fans_out_and_forgets_after_the_last_residency() -> None:

@@ -15,6 +15,7 @@ batch arrived every batch of the workload has too.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import time
 import urllib.request
@@ -366,6 +367,63 @@ async def test_self_describing_events_carry_block_hashes_parent_and_tokens(tmp_p
     assert eviction["block_hashes"] in (a[0:2], a[2:4])
     assert eviction == removed(eviction["block_hashes"], "CPU")
     assert rest == [described(b, None, second, "CPU"), described(b, None, second, "STORAGE", **FS)]
+
+
+@pytest.mark.anyio
+async def test_self_describing_events_carry_each_blocks_extra_keys_as_vllm_publishes_them() -> None:
+    # Chunks of two blocks of BLOCK (4) tokens; every request is 16 tokens: two chunks.
+    bpc = 2
+    slot_bytes = geometry().slot_bytes(bpc)
+    config = tiering_config(16, [], slot_bytes=slot_bytes, block_size=bpc * BLOCK, self_describing_kv_events=True)
+    (prompt,) = prompts(1, 16, seed=44)
+    embeds = torch.randn((16, 8), generator=torch.Generator().manual_seed(5))
+    requests: dict[str, tuple[list[int], dict[str, Any]]] = {
+        "plain": (prompt, {}),
+        "salted": (prompt, {"cache_salt": "tenant-a"}),
+        "lora": (prompt, {"lora_name": "sql", "lora_path": "/adapters/sql"}),
+        # placeholder tokens [2, 10): blocks 0, 1 and 2 (offsets relative to each block's start)
+        "mm": (prompt, {"mm_items": [("img-1", 2, 8)]}),
+        # vLLM's token ids for a prompt given as embeddings: 0 at every position
+        "embeds": ([0] * 16, {"prompt_embeds": embeds, "cache_salt": "tenant-a", "lora_name": "sql",
+                              "lora_path": "/adapters/sql"}),
+    }
+    with zmq_context() as zctx:
+        async with kvtier.open(config, geometry(), device_kv(), events=events_config()) as engine:
+            pub = engine.publisher
+            sub = Subscriber(zctx, pub.last_endpoint)
+            try:
+                resets = await handshake(engine, sub)
+                chunk_of: dict[int, tuple[str, int]] = {}  # a chunk's key hash: its last block's hash
+                for name, (tokens, extras) in requests.items():
+                    for i, key in enumerate(engine.chunk_keys(tokens, **extras)):
+                        chunk_of[key_hash(key)] = (name, i)
+                    assert await engine.store(tokens, [0, 1, 2, 3], **extras) == 16
+                last = await end_marker(engine, sub, resets)
+                replayed = await anyio.to_thread.run_sync(replay, pub.last_replay_endpoint, 0)
+            finally:
+                sub.close()
+
+    events = workload_events(replayed, resets, last)
+    assert [e["type"] for e in events] == ["BlockStored"] * 10 and all(e["medium"] == "CPU" for e in events)
+    by_request: dict[str, list[dict[str, Any]]] = {name: [{}, {}] for name in requests}
+    for event in events:
+        name, i = chunk_of[event["block_hashes"][-1]]
+        by_request[name][i] = event
+    digest = [hashlib.sha256(embeds[i : i + BLOCK].numpy().tobytes()).digest() for i in range(0, 16, BLOCK)]
+    # msgpack decodes vLLM's tuples as lists and a digest as bytes; None-valued extra_keys are omitted.
+    expected = {
+        "plain": [None, None],
+        "salted": [[["tenant-a"], None], [None, None]],
+        "lora": [[["sql"], ["sql"]], [["sql"], ["sql"]]],
+        "mm": [[[["img-1", 2]], [["img-1", -2]]], [[["img-1", -6]], None]],
+        "embeds": [[["sql", "tenant-a", digest[0]], ["sql", digest[1]]],
+                   [["sql", digest[2]], ["sql", digest[3]]]],
+    }
+    for name, chunks in expected.items():
+        got = [event.get("extra_keys") for event in by_request[name]]
+        assert got == chunks, name
+        assert {event["lora_name"] for event in by_request[name]} == {"sql" if "lora_name" in requests[name][1] else None}
+
 
 
 @pytest.mark.anyio
