@@ -40,6 +40,7 @@ from kvtier.backpressure import build_detectors
 from kvtier.context import RequestContext
 from kvtier.errors import ConfigError
 from kvtier.stats import LATENCY_BUCKETS, Histogram, HistogramSnapshot
+from kvtier.tiers.base import ParentManager
 from kvtier.types import CacheHitSource, LookupResult, OffloadingEvent, OffloadPolicy
 
 if TYPE_CHECKING:
@@ -637,9 +638,8 @@ def _base_serve_external_requests() -> object:
     return SecondaryTier.serve_external_requests
 
 
-class _TierFacingParent:
-    """The manager as one tier sees it while serving a peer (``kvtier.tiers.base.ParentManager``):
-    that tier is left out of lookups."""
+class _TierFacingParent(ParentManager):
+    """The manager as one tier sees it while serving a peer: that tier is left out of lookups."""
 
     __slots__ = ("_manager", "_idx")
 
