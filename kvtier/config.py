@@ -520,7 +520,9 @@ TIER_SCHEMAS: Mapping[str, Mapping[str, KeySpec]] = {
         "max_bytes": KeySpec("int", default=None, nullable=True, gt=0),
         "eviction_policy": KeySpec("str", default="lru", non_empty=True, max_len=256),
         "stale_tmp_grace_s": KeySpec("float", default=3600.0, ge=0),
-        "rescan_interval_s": KeySpec("float", default=30.0, gt=0),
+        "rescan_interval_s": KeySpec("float", default=None, nullable=True, gt=0,
+                                     help="seconds between re-syncs with the disk; null (default): 30, "
+                                          "stretched so that a re-sync takes at most 5% of a core"),
         "accept_unverified_chunks": KeySpec("bool", default=False,
                                             help="load trailer-less (vLLM-written) chunks with no integrity check"),
     },

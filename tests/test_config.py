@@ -261,7 +261,7 @@ TIER_DEFAULTS: dict[str, dict[str, Any]] = {
         "max_bytes": None,
         "eviction_policy": "lru",
         "stale_tmp_grace_s": 3600.0,
-        "rescan_interval_s": 30.0,
+        "rescan_interval_s": None,
         "accept_unverified_chunks": False,
     },
     "memory": {"capacity_bytes": 1 << 20},

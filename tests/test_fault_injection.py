@@ -438,7 +438,9 @@ async def test_fresh_engine_removes_temporaries_of_killed_writers(killed_root: K
     kv = fw.device_kv()
     config = fw.fs_config(root, slots=16, stale_tmp_grace_s=0)
     with anyio.fail_after(60):
-        async with kvtier.open(config, fw.geometry(), kv):
+        async with kvtier.open(config, fw.geometry(), kv) as engine:
+            for tier in engine.tiers:
+                await tier.wait_scanned()  # the start-up scan runs in the background
             after_start = tmp_files(root)
     summary("stale-tmp", tmp_before_start=len(before), tmp_left_by_kills=len(killed_root.tmp_left),
             planted=len(planted), tmp_after_start=len(after_start), litter=len(litter(root)))
@@ -460,7 +462,9 @@ async def test_fresh_engine_removes_config_temporary_of_a_writer_killed_at_first
     os.utime(planted, (old, old))
     kv = fw.device_kv()
     with anyio.fail_after(60):
-        async with kvtier.open(fw.fs_config(root, slots=16, stale_tmp_grace_s=0), fw.geometry(), kv):
+        async with kvtier.open(fw.fs_config(root, slots=16, stale_tmp_grace_s=0), fw.geometry(), kv) as engine:
+            for tier in engine.tiers:
+                await tier.wait_scanned()
             after_start = tmp_files(root)
     summary("stale-config-tmp", planted=1, tmp_after_start=len(after_start))
     assert after_start == [], f"temporaries survived a start-up with stale_tmp_grace_s=0: {after_start}"

@@ -15,6 +15,7 @@ from typing import Any
 
 import anyio
 import pytest
+from test_fs_scan import walk
 from test_fs_tier import (
     FILE,
     SLOT,
@@ -33,9 +34,10 @@ from test_fs_tier import (
 
 from kvtier.errors import ConfigError
 from kvtier.tiers import fs as fs_module
-from kvtier.tiers import fs_io
+from kvtier.tiers import fs_io, fs_scan
 from kvtier.tiers.base import TransferJob
 from kvtier.tiers.fs import FileSystemTier
+from kvtier.tiers.fs_scan import ScanBatch
 from kvtier.tiers.integrity import checksum
 from kvtier.tiers.slots import SlotBuffer
 from kvtier.types import LookupResult
@@ -331,22 +333,22 @@ async def test_a_rescan_never_forgets_a_chunk_written_while_it_listed_the_tree(
     tmp_path: Path, host: SlotBuffer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tier = make_tier(tmp_path, host, rescan_interval_s=3600)
-    scans: list[tuple[float, fs_io.ScanResult]] = []
+    scans: list[ScanBatch] = []
     real_write = fs_io.write_chunk
 
     def write_during_a_scan(dir_fd: int, relpath: str, *args: Any, **kw: Any) -> int:
-        # The periodic rescan starts and lists the tree after this chunk was reserved but
-        # before its file exists: the exact race of a rescan with a fresh write.
-        scans.append((time.monotonic(), fs_io.scan_tree(dir_fd, tmp_grace_s=None)))
+        # A rescan lists the tree after this chunk was reserved but before its file exists:
+        # the exact race of a rescan with a fresh write.
+        scans.append(walk(dir_fd))
         return real_write(dir_fd, relpath, *args, **kw)
 
     async with running(tier):
         monkeypatch.setattr(fs_module.fs_io, "write_chunk", write_during_a_scan)
         assert (await store(tier, host, [1])).success
         monkeypatch.undo()
-        started, scan = scans[0]
-        assert scan.chunks == []
-        tier._apply_scan(scan, started)
+        [scan] = scans
+        assert scan.leaves == []  # its directory did not exist yet
+        await tier._apply_batch(scan, initial=False)
         assert key_of(1) in tier.index and tier.index.used == FILE
         assert await probe(tier, [key_of(1)]) == [LookupResult.HIT]
         assert (await load(tier, [1])).success
@@ -373,10 +375,9 @@ async def test_a_rescan_never_revives_a_chunk_evicted_after_it_listed_the_tree(
     tier = make_tier(tmp_path, host, max_bytes=4 * FILE, rescan_interval_s=3600)
     async with running(tier):
         assert (await store(tier, host, [1, 2, 3, 4])).success
-        started = time.monotonic()
-        scan = fs_io.scan_tree(tier._dir_fd, tmp_grace_s=None)  # lists 1..4
+        scan = walk(tier._dir_fd)  # lists 1..4
         assert (await store(tier, host, [5, 6])).success  # evicts 1 and 2 after the listing
-        tier._apply_scan(scan, started)
+        await tier._apply_batch(scan, initial=False)
         assert key_of(1) not in tier.index and key_of(2) not in tier.index
         assert tier.index.used == sum(f.stat().st_size for f in bin_files(tmp_path)) == 4 * FILE
         assert tier.statistics().evictions == 2  # nothing else evicted to make room for ghosts
@@ -416,15 +417,15 @@ async def test_close_during_a_long_scan_joins_every_thread_and_closes_the_tree(
     tier = make_tier(tmp_path, host, rescan_interval_s=0.01, n_read_threads=1, n_write_threads=1)
     async with running(tier):
         assert (await store(tier, host, range(6))).success  # six shard directories to walk
-        real_open_shard = fs_io._open_shard_dir
+        real_open_dir = fs_scan.open_dir
         scanning = threading.Event()
 
-        def slow_shard(*args: Any) -> Any:  # a tree of millions of files: each directory takes a while
+        def slow_dir(*args: Any) -> Any:  # a tree of millions of files: each directory takes a while
             scanning.set()
             time.sleep(1.0)  # six of them outlast close_timeout_s (3 s)
-            return real_open_shard(*args)
+            return real_open_dir(*args)
 
-        monkeypatch.setattr(fs_io, "_open_shard_dir", slow_shard)
+        monkeypatch.setattr(fs_scan, "open_dir", slow_dir)
         with anyio.fail_after(10):
             while not scanning.is_set():
                 await anyio.sleep(0.01)

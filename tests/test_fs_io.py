@@ -7,7 +7,6 @@ import hashlib
 import mmap
 import os
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -241,77 +240,6 @@ def test_a_file_of_another_owner_is_read_without_o_noatime(tree: int, monkeypatc
 def test_load_chunk_raises_file_not_found_for_a_missing_file(tree: int) -> None:
     with pytest.raises(FileNotFoundError):
         fs_io.load_chunk(tree, "none.bin", _slot(0), ME, o_direct=False)
-
-
-def test_scan_lists_layout_chunks_and_removes_only_stale_temporaries(tmp_path: Path, tree: int) -> None:
-    h = "abcdef0123"
-    d = tmp_path / h[:3] / f"{h[3:5]}_g2"
-    d.mkdir(parents=True)
-    (d / f"{h}.bin").write_bytes(b"x" * 10)
-    stale = d / f"{h}.bin_123.tmp"
-    fresh = d / f"{h}.bin_456.tmp"
-    stale_probe = tmp_path / f"{fs_io.PROBE_PREFIX}_77"
-    for f in (stale, fresh, stale_probe):
-        f.write_bytes(b"t")
-    old = time.time() - 1000
-    os.utime(stale, (old, old))
-    os.utime(stale_probe, (old, old))
-    (d / "notes.txt").write_text("not ours")
-    (d / "ABCDEF0123.bin").write_bytes(b"upper-case is not a chunk name")
-    (tmp_path / "zzz").mkdir()
-    result = fs_io.scan_tree(tree, tmp_grace_s=100.0)
-    assert [c.key for c in result.chunks] == [bytes.fromhex(h) + (2).to_bytes(4, "big")]
-    assert result.chunks[0].size == 10
-    assert (result.removed_tmp, result.kept_tmp) == (2, 1)
-    assert not stale.exists() and not stale_probe.exists()
-    assert fresh.exists() and (d / "notes.txt").exists()
-
-
-def test_scan_of_an_empty_tree_is_empty(tree: int) -> None:
-    result = fs_io.scan_tree(tree, tmp_grace_s=0)
-    assert result.chunks == [] and result.removed_tmp == 0
-
-
-def test_scan_orders_chunks_oldest_first(tmp_path: Path, tree: int) -> None:
-    names = ["aaa111", "bbb222", "ccc333"]
-    for age, h in zip((30, 10, 20), names):
-        d = tmp_path / h[:3] / f"{h[3:5]}_g0"
-        d.mkdir(parents=True)
-        f = d / f"{h}.bin"
-        f.write_bytes(b"x")
-        t = time.time() - age
-        os.utime(f, (t, t))
-    result = fs_io.scan_tree(tree, tmp_grace_s=None)
-    assert [c.key[:-4].hex() for c in result.chunks] == ["aaa111", "ccc333", "bbb222"]
-
-
-def test_scans_listing_the_same_tree_at_once_each_see_every_chunk(tmp_path: Path, tree: int) -> None:
-    for h in ("aaa111", "bbb222", "ccc333"):
-        (tmp_path / h[:3] / f"{h[3:5]}_g0").mkdir(parents=True)
-        (tmp_path / h[:3] / f"{h[3:5]}_g0" / f"{h}.bin").write_bytes(b"x")
-    # Another listing of the same descriptor is under way (a periodic and an explicit rescan):
-    # its directory stream position is shared by every dup of the descriptor.
-    with os.scandir(tree) as other:
-        next(other)
-        assert len(fs_io.scan_tree(tree, tmp_grace_s=None).chunks) == 3
-
-
-def test_scan_removes_links_and_pipes_under_layout_names_without_following_them(tmp_path: Path, tree: int) -> None:
-    outside = tmp_path.parent / f"{tmp_path.name}-outside"
-    (outside / "de_g0").mkdir(parents=True)
-    (outside / "de_g0" / "abcdef.bin").write_bytes(b"outside")
-    os.symlink(outside, tmp_path / "abc")  # a shard directory that is a link
-    d = tmp_path / "bbb" / "22_g0"
-    d.mkdir(parents=True)
-    os.symlink(outside / "de_g0" / "abcdef.bin", d / "bbb222.bin")  # a chunk that is a link
-    os.mkfifo(d / "bbb223.bin")  # a chunk that is a pipe
-    (d / "bbb224.bin").write_bytes(b"real")
-    result = fs_io.scan_tree(tree, tmp_grace_s=None)
-    assert [c.key[:-4].hex() for c in result.chunks] == ["bbb224"]
-    assert result.removed_unsafe == 3
-    assert not os.path.lexists(tmp_path / "abc") and not os.path.lexists(d / "bbb222.bin")
-    assert not os.path.lexists(d / "bbb223.bin")
-    assert (outside / "de_g0" / "abcdef.bin").read_bytes() == b"outside"  # the target is untouched
 
 
 # --- the pool ------------------------------------------------------------------------------------

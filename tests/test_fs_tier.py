@@ -72,10 +72,14 @@ def make_tier(
 
 
 @asynccontextmanager
-async def running(tier: FileSystemTier) -> AsyncIterator[FileSystemTier]:
+async def running(tier: FileSystemTier, *, scanned: bool = True) -> AsyncIterator[FileSystemTier]:
+    """The tier, started; with ``scanned`` once its start-up scan is over (it runs in the
+    background: ``kvtier.open`` does not wait for it)."""
     async with anyio.create_task_group() as tg:
         await tg.start(tier.run)
         try:
+            if scanned:
+                await tier.wait_scanned()
             yield tier
         finally:
             await tier.aclose()

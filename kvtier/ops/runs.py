@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import errno
 import json
 import os
 import re
@@ -42,8 +41,7 @@ from typing import Any, TextIO
 
 from kvtier.errors import ConfigError
 from kvtier.layout import Namespace, namespace
-from kvtier.tiers import fs_beneath
-from kvtier.tiers.fs_io import PROBE_PREFIX
+from kvtier.tiers import fs_beneath, fs_scan
 from kvtier.tiers.integrity import TRAILER_PAGE
 
 __all__ = [
@@ -66,13 +64,8 @@ __all__ = [
 ]
 
 _MAX_CONFIG_JSON_BYTES = 1 << 20  # as the fs tier
-_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW | os.O_CLOEXEC
 _RUN_NAME = re.compile(r"(.+)_([0-9a-f]{12})")
 _TREE_NAME = re.compile(r"(.+_[0-9a-f]{12})_r(0|[1-9][0-9]{0,9})")
-_DIR1 = re.compile(r"[0-9a-f]{3}")
-_DIR2 = re.compile(r"[0-9a-f]{2}_g[0-9]{1,10}")
-_TMP = re.compile(r"[0-9a-f]{6,}\.bin_[0-9]{1,20}\.tmp")
-_PROBE = re.compile(re.escape(PROBE_PREFIX) + r"_[0-9]{1,20}")
 #: Threads of a tree listing. One by default: listing a local tree whose metadata is cached is CPU
 #: work under one interpreter lock, and threads only added switching (10^5 files on a 2-core VM:
 #: 1 thread 2.9 s, 2 threads 3.4 s, 8 threads 4.8 s). Where every stat waits on a server (NFS),
@@ -233,26 +226,6 @@ def discover(root_fd: int) -> Discovery:
     return found
 
 
-def _open_dir_entry(parent_fd: int, name: str) -> int | None:
-    """Open directory ``name`` without following links; None for a link, non-directory or gone."""
-    try:
-        return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            return None
-        raise
-
-
-def _scandir(fd: int) -> list[os.DirEntry[str]]:
-    try:
-        with os.scandir(fd) as it:
-            return list(it)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-
-
 def _lstat(entry: os.DirEntry[str]) -> os.stat_result | None:
     try:
         return entry.stat(follow_symlinks=False)
@@ -265,40 +238,36 @@ def _entry(relpath: str, st: os.stat_result) -> FileEntry:
 
 
 def _list_shard(tree_fd: int, d1: str) -> TreeListing:
-    """List ``<d1>/<d2>/<files>`` of one top-level shard directory."""
+    """List ``<d1>/<d2>/<files>`` of one top-level shard directory (the fs tier's own listing,
+    :mod:`kvtier.tiers.fs_scan`, classifies each leaf)."""
     out = TreeListing()
-    d1_fd = _open_dir_entry(tree_fd, d1)
+    d1_fd = fs_scan.open_dir(tree_fd, d1)
     if d1_fd is None:
         return out
     try:
-        for d2 in _scandir(d1_fd):
+        for d2 in fs_scan.scandir(d1_fd):
             st = _lstat(d2)
             if st is None:
                 continue
             rel2 = f"{d1}/{d2.name}"
-            if not _DIR2.fullmatch(d2.name):
+            match = fs_scan.DIR2.fullmatch(d2.name)
+            if match is None or int(match.group(2)) >= 2**32:
                 out.stray.append(_entry(rel2, st))
                 continue
             if not stat.S_ISDIR(st.st_mode):
                 out.unsafe.append(_entry(rel2, st))
                 continue
-            d2_fd = _open_dir_entry(d1_fd, d2.name)
+            d2_fd = fs_scan.open_dir(d1_fd, d2.name)
             if d2_fd is None:
                 continue
             try:
-                for leaf in _scandir(d2_fd):
-                    lst = _lstat(leaf)
-                    if lst is None:
-                        continue
-                    rel = f"{rel2}/{leaf.name}"
-                    if Namespace.key_from_relpath(rel) is not None:
-                        (out.chunks if stat.S_ISREG(lst.st_mode) else out.unsafe).append(_entry(rel, lst))
-                    elif _TMP.fullmatch(leaf.name) and not stat.S_ISDIR(lst.st_mode):
-                        out.tmp.append(_entry(rel, lst))
-                    else:
-                        out.stray.append(_entry(rel, lst))
+                leaf = fs_scan.list_leaf(d2_fd, d1, match.group(1), int(match.group(2)))
             finally:
                 os.close(d2_fd)
+            out.chunks += [FileEntry(f"{rel2}/{name}", size, mtime) for _, size, mtime, name in leaf.chunks]
+            out.unsafe += [_entry(f"{rel2}/{name}", est) for name, est in leaf.unsafe]
+            out.tmp += [_entry(f"{rel2}/{name}", est) for name, est in leaf.tmp]
+            out.stray += [_entry(f"{rel2}/{name}", est) for name, est in leaf.stray]
     finally:
         os.close(d1_fd)
     return out
@@ -311,21 +280,21 @@ def list_tree(root_fd: int, tree_name: str, *, threads: int = SCAN_THREADS,
     Chunks are sorted oldest first (by mtime). ``on_shard`` is called after each top-level shard
     directory (progress)."""
     out = TreeListing()
-    tree_fd = _open_dir_entry(root_fd, tree_name)
+    tree_fd = fs_scan.open_dir(root_fd, tree_name)
     if tree_fd is None:
         return out
     try:
         shards: list[str] = []
-        for top in _scandir(tree_fd):
+        for top in fs_scan.scandir(tree_fd):
             st = _lstat(top)
             if st is None:
                 continue
-            if _DIR1.fullmatch(top.name):
+            if fs_scan.DIR1.fullmatch(top.name):
                 if stat.S_ISDIR(st.st_mode):
                     shards.append(top.name)
                 else:
                     out.unsafe.append(_entry(top.name, st))
-            elif _PROBE.fullmatch(top.name) and not stat.S_ISDIR(st.st_mode):
+            elif fs_scan.PROBE_NAME.fullmatch(top.name) and not stat.S_ISDIR(st.st_mode):
                 out.tmp.append(_entry(top.name, st))
             else:
                 out.stray.append(_entry(top.name, st))

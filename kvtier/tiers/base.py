@@ -925,6 +925,11 @@ class SecondaryTier(abc.ABC):
         while self._unfinished:
             await self._idle_event.wait()
 
+    async def wait_scanned(self) -> None:
+        """Return once the tier knows what its storage held at start-up (a tier that learns it
+        in the background, like ``fs`` with its start-up scan, overrides this). Serving does not
+        need it: until then a tier probes what it does not know."""
+
     # --- manager-facing no-ops -----------------------------------------------------------------
     def on_new_request(self, ctx: RequestContext) -> OffloadPolicy:
         """A request starts: which of its chunks this tier wants (default: the ones it stores)."""

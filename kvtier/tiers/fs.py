@@ -62,9 +62,7 @@ import secrets
 import stat
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, ClassVar
 
@@ -75,7 +73,9 @@ from kvtier.errors import ConfigError
 from kvtier.layout import Namespace, namespace
 from kvtier.tiers import fs_beneath, fs_io
 from kvtier.tiers.base import ChunkCorrupt, ChunkNotFound, SecondaryTier, TierContext, TierIOError
-from kvtier.tiers.fs_io import DualQueuePool, IOQueue, ScanResult
+from kvtier.tiers.fs_index import ChunkIndex, leaf_of
+from kvtier.tiers.fs_io import DualQueuePool, IOQueue
+from kvtier.tiers.fs_scan import LeafListing, LeafMtimes, ScanBatch, ScanStopped, TopListing, TreeWalker
 from kvtier.tiers.integrity import (
     ACCEPTED_VERIFIED,
     REJECT_REASONS,
@@ -86,15 +86,27 @@ from kvtier.tiers.integrity import (
 )
 from kvtier.types import Medium
 
-__all__ = ["FileSystemTier", "DiskIndex", "ensure_config_json", "EVICTION_POLICIES"]
+__all__ = ["FileSystemTier", "ensure_config_json", "EVICTION_POLICIES"]
 
 logger = logging.getLogger(__name__)
 
 #: Allowed values of the fs ``eviction_policy`` option.
 EVICTION_POLICIES: tuple[str, ...] = ("lru",)
 _MAX_CONFIG_JSON_BYTES = 1 << 20
-#: How many recent removals the disk index remembers for its next rescan (see DiskIndex.reconcile).
-_MAX_REMOVAL_RECORDS = 1 << 16
+#: Entries a scan step lists on a worker before the loop applies them (a few ms of work).
+_SCAN_STEP_ENTRIES = 2048
+#: Default seconds between re-syncs; stretched on trees where a re-sync costs more than
+#: ``_RESCAN_CPU_SHARE`` of a core at that pace (an explicit ``rescan_interval_s`` is kept).
+_DEFAULT_RESCAN_S = 30.0
+_RESCAN_CPU_SHARE = 0.04  # of what a pass measures itself; hand-offs and wake-ups bring it to ~5%
+#: A periodic re-sync takes one step every this many seconds, spread over its interval.
+_PACE_S = 0.1
+#: The loop applies scan results (and evicts) in slices of at most this long, then lets others run.
+_SLICE_S = 0.002
+#: Evictions picked per slice when a scan finds the tree over max_bytes.
+_EVICT_BATCH = 256
+#: A bounded tier sizes its lookup table for max_bytes worth of chunks, up to this many.
+_MAX_EXPECTED_ENTRIES = 1 << 22
 
 
 # ------------------------------------------------------------------------------------------------
@@ -198,185 +210,6 @@ def _sweep_config_tmp(cfg_fd: int, tmp_grace_s: float | None) -> int:
 
 
 # ------------------------------------------------------------------------------------------------
-# The capacity / recency index
-# ------------------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _Entry:
-    size: int
-    stored_at: float  # wall clock (mtime for scanned files): the age of an evicted chunk
-    seen_at: float  # monotonic: when this process last confirmed it (rescans don't drop newer ones)
-
-
-class DiskIndex:
-    """What this process knows is on disk under its block tree, in recency order, with usage.
-
-    Loop-thread only (no locks). Keys are in least- to most-recently-used order; :meth:`reserve`
-    counts a chunk *before* it is written, so ``used`` is an upper bound of the bytes on disk
-    from this process's point of view. Busy keys (being read or written) are never victims.
-    """
-
-    def __init__(self, capacity: int | None) -> None:
-        self.capacity = capacity
-        self.used = 0
-        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
-        self._busy: dict[bytes, int] = {}
-        # key -> when this process dropped it (evicted, deleted, rejected); kept until a later
-        # scan starts, so a scan that listed the file before it went does not bring it back.
-        self._removed_at: dict[bytes, float] = {}
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._entries
-
-    def keys(self) -> list[bytes]:
-        """Keys from least to most recently used."""
-        return list(self._entries)
-
-    def size_of(self, key: bytes) -> int | None:
-        """The bytes recorded for ``key``, or None when it is not in the index."""
-        entry = self._entries.get(key)
-        return None if entry is None else entry.size
-
-    def touch(self, key: bytes) -> None:
-        if key in self._entries:
-            self._entries.move_to_end(key)
-
-    def touch_or_add(self, keys: Iterable[bytes], size: int) -> None:
-        """Each key becomes the most recent; one not in the index yet is added with ``size``."""
-        entries = self._entries
-        for key in keys:
-            if key in entries:
-                entries.move_to_end(key)
-            else:
-                self.add(key, size)
-
-    def add(self, key: bytes, size: int, stored_at: float | None = None) -> None:
-        """Record ``key`` as present (most recent); replaces a previous size."""
-        old = self._entries.pop(key, None)
-        if old is not None:
-            self.used -= old.size
-        self._entries[key] = _Entry(size, time.time() if stored_at is None else stored_at, time.monotonic())
-        self.used += size
-
-    def remove(self, key: bytes) -> bool:
-        entry = self._entries.pop(key, None)
-        if entry is None:
-            return False
-        self.used -= entry.size
-        removed_at = self._removed_at
-        removed_at.pop(key, None)  # re-inserted last: the dict stays in time order
-        removed_at[key] = time.monotonic()
-        if len(removed_at) > _MAX_REMOVAL_RECORDS:  # bounded between rescans; the oldest go first
-            del removed_at[next(iter(removed_at))]
-        return True
-
-    def pin(self, key: bytes) -> None:
-        self._busy[key] = self._busy.get(key, 0) + 1
-
-    def unpin(self, key: bytes) -> None:
-        """The read or write of ``key`` is over; if the key is (still) indexed that confirms it
-        now, so a rescan that started before this moment cannot drop it (its listing may predate
-        the file)."""
-        left = self._busy[key] - 1
-        if left:
-            self._busy[key] = left
-        else:
-            del self._busy[key]
-        entry = self._entries.get(key)
-        if entry is not None:
-            entry.seen_at = time.monotonic()
-
-    def pin_all(self, keys: Iterable[bytes]) -> None:
-        busy = self._busy
-        for key in keys:
-            busy[key] = busy.get(key, 0) + 1
-
-    def unpin_all(self, keys: Iterable[bytes]) -> None:
-        """:meth:`unpin` each key (one clock read for all)."""
-        busy, entries, now = self._busy, self._entries, time.monotonic()
-        for key in keys:
-            left = busy[key] - 1
-            if left:
-                busy[key] = left
-            else:
-                del busy[key]
-            entry = entries.get(key)
-            if entry is not None:
-                entry.seen_at = now
-
-    def reserve(self, key: bytes, size: int) -> list[tuple[bytes, float]]:
-        """Count ``size`` bytes for ``key`` now and pick victims so that ``used ≤ capacity``.
-
-        Victims (``(key, stored_at)``, least recent first) are already removed from the index;
-        the caller deletes their files. Raises ``TierIOError("no_space")`` (reserving nothing)
-        when the busy chunks alone leave no room.
-        """
-        victims: list[tuple[bytes, float]] = []
-        if self.capacity is not None:
-            need = self.used + size - (self._entries[key].size if key in self._entries else 0)
-            for victim, entry in self._entries.items():
-                if need <= self.capacity:
-                    break
-                if victim == key or victim in self._busy:
-                    continue
-                victims.append((victim, entry.stored_at))
-                need -= entry.size
-            if need > self.capacity:
-                raise TierIOError("no_space", f"max_bytes={self.capacity} is held by chunks in use")
-            for victim, _ in victims:
-                self.remove(victim)
-        self.add(key, size)
-        return victims
-
-    def over_capacity_victims(self) -> list[tuple[bytes, float]]:
-        """Pick (and remove) least recent idle chunks until ``used ≤ capacity``."""
-        victims: list[tuple[bytes, float]] = []
-        if self.capacity is None:
-            return victims
-        excess = self.used - self.capacity
-        for victim, entry in self._entries.items():
-            if excess <= 0:
-                break
-            if victim in self._busy:
-                continue
-            victims.append((victim, entry.stored_at))
-            excess -= entry.size
-        for victim, _ in victims:
-            self.remove(victim)
-        return victims
-
-    def reconcile(self, scan: ScanResult, scan_started: float) -> list[bytes]:
-        """Make the index agree with a scan started at monotonic time ``scan_started``.
-
-        Keys the scan did not see are dropped (another process deleted them) unless they are busy
-        or were confirmed after the scan started; keys only the scan saw are added (recency by
-        mtime, after the known ones) unless this process dropped them after the scan started (the
-        listing predates their deletion). Returns the dropped keys.
-        """
-        removed_since = {k: t for k, t in self._removed_at.items() if t >= scan_started}
-        self._removed_at = dict(removed_since)  # older records can mislead no later scan
-        on_disk = {chunk.key: chunk for chunk in scan.chunks if chunk.key not in removed_since}
-        dropped = [
-            key for key, entry in self._entries.items()
-            if key not in on_disk and key not in self._busy and entry.seen_at < scan_started
-        ]
-        for key in dropped:
-            self.remove(key)
-        for chunk in on_disk.values():  # oldest first
-            entry = self._entries.get(chunk.key)
-            if entry is None:
-                self.add(chunk.key, chunk.size, chunk.mtime)
-            elif entry.size != chunk.size and chunk.key not in self._busy:
-                self.used += chunk.size - entry.size
-                entry.size = chunk.size
-        return dropped
-
-
-# ------------------------------------------------------------------------------------------------
 # Blocking chunk operations (run on pool threads)
 # ------------------------------------------------------------------------------------------------
 
@@ -435,13 +268,15 @@ def _stat_sizes(dir_fd: int, keys: Sequence[bytes]) -> list[int | None]:
     return sizes
 
 
-def _remove_all(dir_fd: int, keys: Sequence[bytes]) -> None:
+def _remove_all(dir_fd: int, mtimes: LeafMtimes, keys: Sequence[bytes]) -> None:
     for key in keys:
         relpath = Namespace.chunk_relpath(key)
         try:
             fs_io.remove_file(dir_fd, relpath)
         except OSError as exc:
-            # The chunk is already out of the index; a later rescan re-adds it if it survived.
+            # The chunk is already out of the index; the next rescan lists its directory again
+            # (its mtime did not change) and re-adds it if it survived.
+            mtimes.invalidate(*leaf_of(key))
             logger.warning("could not evict %s: %s", relpath, exc)
 
 
@@ -471,7 +306,9 @@ class FileSystemTier(SecondaryTier):
         self.max_bytes: int | None = options.get("max_bytes")
         self.eviction_policy: str = options.get("eviction_policy", "lru")
         self.stale_tmp_grace_s = float(options.get("stale_tmp_grace_s", 3600.0))
-        self.rescan_interval_s = float(options.get("rescan_interval_s", 30.0))
+        interval = options.get("rescan_interval_s")
+        self.rescan_interval_s: float | None = None if interval is None else float(interval)
+        self._auto_interval = _DEFAULT_RESCAN_S
         self.accept_unverified_chunks = bool(options.get("accept_unverified_chunks", False))
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ConfigError(
@@ -488,15 +325,20 @@ class FileSystemTier(SecondaryTier):
         tunables.setdefault("max_concurrent_stores", max(16, self.n_read_threads + self.n_write_threads))
         super().__init__(config, context, **tunables)
         self.namespace: Namespace = namespace(self.root_dir, context.run_fields, context.rank)
-        self.index = DiskIndex(self.max_bytes)
+        expected = 0 if self.max_bytes is None else self.max_bytes // stored_size(context.slot_bytes)
+        self.index = ChunkIndex(self.max_bytes, expected_entries=min(expected, _MAX_EXPECTED_ENTRIES))
+        self._mtimes = LeafMtimes()
+        self._scanned = anyio.Event()  # the start-up scan is over (or was stopped)
+        self._passes: list[float] = []  # start times of the passes under way (a rescan may meet a periodic one)
         self.o_direct = False
         self._file_bytes = stored_size(context.slot_bytes)
         self._dir_fd = -1  # the run's block tree, open from open() to close()
         self._pool = DualQueuePool(self.n_read_threads, self.n_write_threads, name=f"kvtier-fs{context.index}")
         self._deletions: list[anyio.Event] = []  # eviction deletions in flight, oldest first
+        self._deleting: dict[bytes, int] = {}  # keys whose files those deletions are removing
         self._ready = anyio.Event()
-        self._rescan_scope = anyio.CancelScope()
-        self._rescan_done = anyio.Event()
+        self._scan_scope = anyio.CancelScope()
+        self._scan_done = anyio.Event()
         self._stop_scans = threading.Event()  # set by close: a long scan gives up
         self._rejected = self.add_metric(
             "fs_rejected_chunks", "counter",
@@ -515,23 +357,37 @@ class FileSystemTier(SecondaryTier):
             "fs_stale_tmp_removed", "counter",
             "Temporary and probe files of crashed writers removed by start-up scans.",
         )
+        self._scan_passes = self.add_metric(
+            "fs_scan_passes", "counter",
+            "Passes over the block tree completed: the start-up scan, then one re-sync per rescan_interval_s.",
+        )
+        self._interval_gauge = self.add_metric(
+            "fs_rescan_interval_seconds", "gauge",
+            "Seconds between re-syncs with the disk: rescan_interval_s, or by default 30 s stretched so "
+            "that a re-sync takes at most 5% of a core.",
+        )
+        self._scan_listed = self.add_metric(
+            "fs_scan_dirs_listed", "counter",
+            "Shard directories listed by scans (a re-sync lists only those whose mtime changed).",
+        )
 
     # --- lifecycle ----------------------------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """The base lifecycle, plus the periodic rescan task once the tier is ready.
+        """The base lifecycle, plus the scan task once the tier is ready: the start-up scan, in
+        the background, then the periodic re-sync.
 
-        The rescan task lives in this method's task group; ``close`` stops it (and waits for it)
+        The scan task lives in this method's task group; ``close`` stops it (and waits for it)
         before the I/O pool shuts down. Errors of ``open`` (``ConfigError``) propagate unwrapped.
         """
         error: Exception | None = None
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._rescan_loop)
+            tg.start_soon(self._scan_loop)
             try:
                 await super().run(task_status=_StartedHook(task_status, self._ready.set))
             except Exception as exc:  # re-raised below, outside the group, so it is not wrapped
                 error = exc
             finally:
-                self._rescan_scope.cancel()
+                self._scan_scope.cancel()
         if error is not None:
             raise error
 
@@ -549,10 +405,9 @@ class FileSystemTier(SecondaryTier):
             else:
                 logger.warning("tier %s: O_DIRECT is not available under %s; using buffered I/O",
                                self.label, self.namespace.blocks_dir)
-            scan = await self._pool.run(IOQueue.READ, self._scan, self.stale_tmp_grace_s)
-            victims = self._apply_scan(scan, time.monotonic())
-            if victims:  # over max_bytes at start-up (a smaller cap, or others' writes)
-                await self._delete_victims([k for k, _ in victims])
+            # What is on disk is learnt by the scan task, in the background: until it is done,
+            # unknown keys are probed and reservations assume the unscanned rest fills max_bytes.
+            self.index.complete = False
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await self._pool.aclose()
@@ -571,9 +426,9 @@ class FileSystemTier(SecondaryTier):
 
     async def close(self) -> None:
         self._stop_scans.set()  # a scan under way stops at its next directory
-        self._rescan_scope.cancel()
+        self._scan_scope.cancel()
         try:
-            await self._rescan_done.wait()  # never close the pool under a running rescan
+            await self._scan_done.wait()  # never close the pool under a running scan
         finally:
             # Even when close itself is cut short (close_timeout_s): the threads are joined and
             # the tree's descriptor closed — a scan in progress ends within one directory.
@@ -601,47 +456,196 @@ class FileSystemTier(SecondaryTier):
             os.close(fd)
 
     # --- scanning -----------------------------------------------------------------------------
-    def _scan(self, tmp_grace_s: float | None) -> ScanResult:
-        return fs_io.scan_tree(self._dir_fd, tmp_grace_s=tmp_grace_s, stop=self._stop_scans)
+    async def wait_scanned(self) -> None:
+        """Return once the start-up scan is over: usage and recency then cover the whole tree."""
+        await self._scanned.wait()
 
-    def _apply_scan(self, scan: ScanResult, started: float) -> list[tuple[bytes, float]]:
-        dropped = self.index.reconcile(scan, started)
-        if dropped:
-            self.emit_removed(dropped, "deleted")
-        if scan.removed_tmp:
-            self._stale_tmp.inc(scan.removed_tmp)
-        if scan.removed_unsafe:
-            self._rejected.inc(scan.removed_unsafe, "not_regular")
-            logger.warning("tier %s: removed %d links or special files from %s", self.label,
-                           scan.removed_unsafe, self.namespace.blocks_dir)
-        victims = self.index.over_capacity_victims()
-        self._report_evictions(victims)
-        self._publish_usage()
-        return victims
+    @property
+    def scanned(self) -> bool:
+        """Whether the start-up scan is over."""
+        return self._scanned.is_set()
 
-    async def rescan(self) -> None:
-        """Re-read this rank's block tree now (what the periodic task does), evicting if needed."""
-        started = time.monotonic()
-        scan = await self._pool.run(IOQueue.READ, self._scan, None)
-        victims = self._apply_scan(scan, started)
-        if victims:
-            await self._delete_victims([k for k, _ in victims])
+    def index_bytes(self) -> int:
+        """Memory the chunk index and the rescans' directory records take."""
+        return self.index.nbytes() + self._mtimes.nbytes()
 
-    async def _rescan_loop(self) -> None:
-        """Every ``rescan_interval_s``: re-sync usage with the disk. I/O failures are logged."""
+    async def _scan_loop(self) -> None:
+        """The start-up scan (as fast as the pool allows), then a re-sync every
+        ``rescan_interval_s``, each spread over the interval. I/O failures are logged."""
         try:
-            with self._rescan_scope:
+            with self._scan_scope:
                 await self._ready.wait()
+                started = time.monotonic()
+                try:
+                    await self._pass(self.stale_tmp_grace_s, initial=True)
+                except ScanStopped:
+                    return
+                except OSError as exc:
+                    logger.warning("tier %s: start-up scan failed, usage is what was found so far: %s",
+                                   self.label, exc)
+                finally:
+                    self._scanned.set()
+                logger.info("tier %s: %d chunk files (%.1f GiB) under %s, scanned in %.1f s", self.label,
+                            len(self.index), self.index.used / 2**30, self.namespace.blocks_dir,
+                            time.monotonic() - started)
                 while True:
-                    await anyio.sleep(self.rescan_interval_s)
+                    began, interval = time.monotonic(), self.rescan_interval
+                    self._interval_gauge.set(interval)
                     try:
-                        await self.rescan()
-                    except fs_io.ScanStopped:
+                        cpu = await self._pass(None, spread_over=interval)
+                    except ScanStopped:
                         return
                     except OSError as exc:
                         logger.warning("tier %s: rescan failed: %s", self.label, exc)
+                    else:
+                        self._pace(cpu)
+                    await anyio.sleep(max(0.0, began + interval - time.monotonic()))
         finally:
-            self._rescan_done.set()
+            self._scanned.set()
+            self._scan_done.set()
+
+    @property
+    def rescan_interval(self) -> float:
+        """Seconds between re-syncs: ``rescan_interval_s``, or by default 30 s stretched so that a
+        re-sync takes at most 5% of a core (its cost grows with the shard directories to stat)."""
+        return self.rescan_interval_s if self.rescan_interval_s is not None else self._auto_interval
+
+    def _pace(self, pass_cpu_s: float) -> None:
+        """After a re-sync that took ``pass_cpu_s`` of CPU: the default interval follows its cost."""
+        if self.rescan_interval_s is not None:
+            return
+        interval = max(_DEFAULT_RESCAN_S, pass_cpu_s / _RESCAN_CPU_SHARE)
+        if interval > _DEFAULT_RESCAN_S and abs(interval - self._auto_interval) > 0.2 * self._auto_interval:
+            logger.info("tier %s: a re-sync of %s takes %.1f s of CPU; re-syncing every %.0f s (~5%% of a core)",
+                        self.label, self.namespace.blocks_dir, pass_cpu_s, interval)
+        self._auto_interval = interval
+
+    async def rescan(self) -> None:
+        """Re-sync with the disk now, at full speed (what the periodic task does over an interval)."""
+        await self._pass(None)
+
+    async def _pass(self, tmp_grace_s: float | None, *, initial: bool = False, spread_over: float = 0.0) -> float:
+        """One walk over the tree: list what changed, make the index agree, evict if over the cap.
+        Returns the CPU seconds it took (the walker's threads and the loop's share).
+
+        With ``spread_over`` the walk is paced to take that many seconds (a periodic re-sync:
+        every directory is visited once per interval, at a steady rate)."""
+        cpu = 0.0
+        walker = TreeWalker(self._dir_fd, self._mtimes, tmp_grace_s=tmp_grace_s, stop=self._stop_scans)
+        started = time.monotonic()
+        # Removal records older than every pass under way can mislead no listing to come.
+        self._passes.append(started)
+        self.index.forget_removals_before(self._passes[0])
+        try:
+            # Spread: top directory i is visited about i/4096 of the interval in, ten steps a second.
+            tops_per_step = None if spread_over <= 0 else max(1, int(walker.tops_total * _PACE_S / spread_over))
+            while True:
+                if tops_per_step is not None:
+                    ahead = min(walker.tops_total, walker.tops_done + tops_per_step)
+                    due = started + spread_over * ahead / walker.tops_total
+                    await anyio.sleep(max(0.0, due - time.monotonic()))
+                batch = await self._pool.run(IOQueue.READ, walker.step, _SCAN_STEP_ENTRIES, tops_per_step)
+                cpu += batch.cpu_s + await self._apply_batch(batch, initial=initial)
+                if batch.done:
+                    break
+        finally:
+            self._passes.remove(started)
+        self._scan_passes.inc()
+        self.index.complete = True  # the whole tree was seen once: usage is known
+        await self._evict_over_capacity()
+        self._publish_usage()
+        return cpu
+
+    async def _apply_batch(self, batch: ScanBatch, *, initial: bool) -> float:
+        """Make the index agree with one scan step, in slices of at most ``_SLICE_S`` seconds;
+        the seconds the loop spent on it."""
+        if batch.leaves_listed:
+            self._scan_listed.inc(batch.leaves_listed)
+        if batch.removed_tmp:
+            self._stale_tmp.inc(batch.removed_tmp)
+        if batch.removed_unsafe:
+            self._rejected.inc(batch.removed_unsafe, "not_regular")
+            logger.warning("tier %s: removed %d links or special files from %s", self.label,
+                           batch.removed_unsafe, self.namespace.blocks_dir)
+        dropped: list[bytes] = []
+        spent = 0.0
+        slice_start = time.perf_counter()
+        for leaf in batch.leaves:
+            self._apply_leaf(leaf, initial, dropped)
+            if time.perf_counter() - slice_start > _SLICE_S:
+                spent += time.perf_counter() - slice_start
+                await self._yield_slice(dropped)
+                slice_start = time.perf_counter()
+        for top in batch.tops:
+            self._apply_top(top, dropped)
+            if time.perf_counter() - slice_start > _SLICE_S:
+                spent += time.perf_counter() - slice_start
+                await self._yield_slice(dropped)
+                slice_start = time.perf_counter()
+        spent += time.perf_counter() - slice_start
+        await self._yield_slice(dropped)
+        await self._evict_over_capacity()
+        return spent
+
+    async def _yield_slice(self, dropped: list[bytes]) -> None:
+        if dropped:
+            self.emit_removed(list(dropped), "deleted")
+            dropped.clear()
+        self._publish_usage()
+        await anyio.lowlevel.checkpoint()
+
+    def _apply_leaf(self, listing: LeafListing, initial: bool, dropped: list[bytes]) -> None:
+        """One leaf directory as listed: keys it lacks are dropped (another process deleted them)
+        unless in use or confirmed after the listing started; keys only it has are added (cold on
+        a start-up scan, most recent otherwise) unless this process dropped them after the listing
+        started (it predates their deletion)."""
+        index, listed_at = self.index, listing.listed_at
+        known = index.leaf_keys(listing.group, listing.leaf)
+        if initial and not known and not self._deleting and not index.removed_any_since(listed_at):
+            index.add_cold(listing.chunks)  # the start-up scan's common case, in one call
+            return
+        deleting = self._deleting
+        on_disk = {chunk[0]: (chunk[1], chunk[2]) for chunk in listing.chunks
+                   if chunk[0] not in deleting and not index.removed_since(chunk[0], listed_at)}
+        for key in known:
+            found = on_disk.pop(key, None)
+            if found is None:
+                if not index.is_busy(key) and not index.confirmed_since(key, listed_at):
+                    index.remove(key)
+                    dropped.append(key)
+            elif found[0] != index.size_of(key) and not index.is_busy(key):
+                index.add(key, found[0], found[1])
+        if not on_disk:
+            return
+        if initial:
+            index.add_cold((key, size, mtime, "") for key, (size, mtime) in on_disk.items())
+        else:
+            for key, (size, mtime) in sorted(on_disk.items(), key=lambda item: item[1][1]):
+                index.add(key, size, mtime)
+
+    def _apply_top(self, listing: TopListing, dropped: list[bytes]) -> None:
+        """Leaf directories the index knows that a top directory no longer holds: their chunks
+        are gone (same rules as :meth:`_apply_leaf`)."""
+        index, present = self.index, listing.present
+        for group in index.groups:
+            for leaf in index.leaves_in_top(group, listing.top):
+                if present is not None and (group << 20 | leaf) in present:
+                    continue
+                for key in index.leaf_keys(group, leaf):
+                    if not index.is_busy(key) and not index.confirmed_since(key, listing.listed_at):
+                        index.remove(key)
+                        dropped.append(key)
+
+    async def _evict_over_capacity(self) -> None:
+        """Evict least recent idle chunks while the index is over ``max_bytes`` (a smaller cap
+        than last run, or other processes' writes), in bounded batches."""
+        while True:
+            victims = self.index.over_capacity_victims(limit=_EVICT_BATCH)
+            if not victims:
+                return
+            self._report_evictions(victims)
+            self._publish_usage()
+            await self._delete_victims([k for k, _ in victims])
 
     # --- capacity -----------------------------------------------------------------------------
     async def _delete_victims(self, keys: Sequence[bytes]) -> None:
@@ -649,9 +653,18 @@ class FileSystemTier(SecondaryTier):
         :meth:`_deletions_before`)."""
         done = anyio.Event()
         self._deletions.append(done)
+        deleting = self._deleting
+        for key in keys:
+            deleting[key] = deleting.get(key, 0) + 1
         try:
-            await self._pool.run(IOQueue.WRITE, _remove_all, self._dir_fd, keys)
+            await self._pool.run(IOQueue.WRITE, _remove_all, self._dir_fd, self._mtimes, keys)
         finally:
+            for key in keys:
+                left = deleting.pop(key) - 1
+                if left:
+                    deleting[key] = left
+            # A listing taken before this moment may still show the files: it must not revive them.
+            self.index.note_removed(keys)
             self._deletions.remove(done)
             done.set()
 

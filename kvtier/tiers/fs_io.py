@@ -13,7 +13,7 @@ it surfaces as :class:`~kvtier.tiers.fs_beneath.UnsafeEntry` (reads: the ``not_r
 Atomic publication (:func:`write_chunk`): bytes go to a unique temporary name *in the destination
 directory* (``<name>_<random 63-bit int>.tmp``, opened ``O_EXCL``) and are renamed over the final
 name, so a reader sees either no file or a complete one; a failed write removes its temporary file,
-and a crash leaves at most a stray ``.tmp`` file, which :func:`scan_tree` removes once it is older
+and a crash leaves at most a stray ``.tmp`` file, which :class:`kvtier.tiers.fs_scan.TreeWalker` removes once it is older
 than a grace period. No ``fsync``: chunks are a cache, losing the last ones on power failure only
 costs a recompute, and the trailer check catches torn pages.
 """
@@ -25,20 +25,17 @@ import enum
 import errno
 import mmap
 import os
-import re
 import secrets
 import stat
 import threading
-import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
-from kvtier.layout import Namespace
 from kvtier.tiers import fs_beneath
 from kvtier.tiers.fs_beneath import UnsafeEntry
 from kvtier.tiers.integrity import (
@@ -60,10 +57,6 @@ __all__ = [
     "load_chunk",
     "ReadOutcome",
     "remove_file",
-    "scan_tree",
-    "ScanResult",
-    "ScanStopped",
-    "ScannedChunk",
     "TMP_SUFFIX",
     "PROBE_PREFIX",
     "usable_cpus",
@@ -111,7 +104,7 @@ def _scratch_page() -> memoryview:
 def probe_o_direct(dir_fd: int) -> bool:
     """Whether the filesystem of directory ``dir_fd`` accepts an aligned ``O_DIRECT`` write
     (tmpfs, overlayfs and some NFS mounts do not). Writes and deletes one hidden probe file
-    (``PROBE_PREFIX_<n>``); one left by a crash is swept by :func:`scan_tree`."""
+    (``PROBE_PREFIX_<n>``); one left by a crash is swept by the start-up scan (:mod:`kvtier.tiers.fs_scan`)."""
     if not _O_DIRECT:
         return False
     name = f"{PROBE_PREFIX}_{secrets.randbits(63)}"
@@ -323,153 +316,6 @@ def _unlink_quietly(name: str, dir_fd: int) -> None:
         os.unlink(name, dir_fd=dir_fd)
     except OSError:
         pass
-
-
-# ------------------------------------------------------------------------------------------------
-# Scanning a run's block tree
-# ------------------------------------------------------------------------------------------------
-
-_DIR1 = re.compile(r"[0-9a-f]{3}")
-_DIR2 = re.compile(r"[0-9a-f]{2}_g[0-9]{1,10}")
-_TMP = re.compile(r"[0-9a-f]{6,}\.bin_[0-9]{1,20}\.tmp")
-_PROBE = re.compile(re.escape(PROBE_PREFIX) + r"_[0-9]{1,20}")
-_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-@dataclass(frozen=True, slots=True)
-class ScannedChunk:
-    key: bytes  # offload key: hash bytes + 4-byte big-endian group index
-    size: int
-    mtime: float
-
-
-@dataclass(slots=True)
-class ScanResult:
-    """Chunks found under a block tree (sorted oldest first) and what the scan cleaned up.
-
-    ``removed_tmp``: stale temporary and probe files removed; ``kept_tmp``: younger ones kept;
-    ``removed_unsafe``: links and special files found where the layout puts chunks or shard
-    directories, removed.
-    """
-
-    chunks: list[ScannedChunk] = field(default_factory=list)
-    removed_tmp: int = 0
-    kept_tmp: int = 0
-    removed_unsafe: int = 0
-
-
-class ScanStopped(Exception):
-    """A scan gave up because its ``stop`` event was set (the tier is closing)."""
-
-
-def scan_tree(dir_fd: int, *, tmp_grace_s: float | None, now: float | None = None,
-              stop: threading.Event | None = None) -> ScanResult:
-    """Walk ``<hhh>/<hh>_g<group>/<hash>.bin`` beneath block-tree descriptor ``dir_fd`` and list
-    the regular chunk files found.
-
-    Only names of exactly the layout's shape count; other names are ignored (never deleted).
-    Temporary files of writes (``<hash>.bin_<n>.tmp``) and O_DIRECT probe files older than
-    ``tmp_grace_s`` seconds (by mtime) are removed — a live writer renames or deletes its file
-    long before that — ``None`` keeps them all. Symbolic links and special files bearing a
-    layout name (shard directory or chunk) are removed, never followed: the walk opens every
-    directory ``O_NOFOLLOW`` beneath its parent's descriptor, so it never leaves the tree. Entries
-    vanishing mid-scan (other processes) are skipped. When ``stop`` is set the scan raises
-    :class:`ScanStopped` at the next shard directory (a tree of millions of files takes a while).
-    """
-    now = time.time() if now is None else now
-    result = ScanResult()
-    # A descriptor of our own for the listing: a directory stream's position belongs to the open
-    # file, which every dup of ``dir_fd`` shares, so two scans listing it at once would split
-    # (and so lose) its entries between them.
-    own_fd = os.open(".", _DIR_FLAGS, dir_fd=dir_fd)
-    try:
-        _scan_top(own_fd, tmp_grace_s, now, result, stop)
-    finally:
-        os.close(own_fd)
-    result.chunks.sort(key=lambda c: c.mtime)
-    return result
-
-
-def _scan_top(dir_fd: int, tmp_grace_s: float | None, now: float, result: ScanResult,
-              stop: threading.Event | None) -> None:
-    for top in _scandir_fd(dir_fd):
-        if stop is not None and stop.is_set():
-            raise ScanStopped("scan stopped")
-        if _PROBE.fullmatch(top.name):
-            _remove_if_stale(top, dir_fd, tmp_grace_s, now, result)
-            continue
-        if not _DIR1.fullmatch(top.name):
-            continue
-        d1_fd = _open_shard_dir(dir_fd, top, result)
-        if d1_fd is None:
-            continue
-        try:
-            for d2 in _scandir_fd(d1_fd):
-                if not _DIR2.fullmatch(d2.name):
-                    continue
-                d2_fd = _open_shard_dir(d1_fd, d2, result)
-                if d2_fd is None:
-                    continue
-                try:
-                    _scan_leaf(d2_fd, f"{top.name}/{d2.name}", tmp_grace_s, now, result)
-                finally:
-                    os.close(d2_fd)
-        finally:
-            os.close(d1_fd)
-
-
-def _scan_leaf(d2_fd: int, prefix: str, tmp_grace_s: float | None, now: float, result: ScanResult) -> None:
-    for entry in _scandir_fd(d2_fd):
-        key = Namespace.key_from_relpath(f"{prefix}/{entry.name}")
-        if key is None:
-            if _TMP.fullmatch(entry.name):
-                _remove_if_stale(entry, d2_fd, tmp_grace_s, now, result)
-            continue
-        try:
-            st = entry.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        if stat.S_ISREG(st.st_mode):
-            result.chunks.append(ScannedChunk(key, st.st_size, st.st_mtime))
-        elif not stat.S_ISDIR(st.st_mode):  # a link, pipe, socket or device under a chunk's name
-            _unlink_quietly(entry.name, d2_fd)
-            result.removed_unsafe += 1
-
-
-def _open_shard_dir(parent_fd: int, entry: os.DirEntry[str], result: ScanResult) -> int | None:
-    """Open shard directory ``entry`` without following links; a link (or other non-directory)
-    bearing a shard name is removed and counted."""
-    try:
-        return os.open(entry.name, _DIR_FLAGS, dir_fd=parent_fd)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            _unlink_quietly(entry.name, parent_fd)
-            result.removed_unsafe += 1
-            return None
-        raise
-
-
-def _remove_if_stale(entry: os.DirEntry[str], dir_fd: int, tmp_grace_s: float | None, now: float,
-                     result: ScanResult) -> None:
-    try:
-        st = entry.stat(follow_symlinks=False)
-    except FileNotFoundError:
-        return
-    if tmp_grace_s is not None and now - st.st_mtime > tmp_grace_s and not stat.S_ISDIR(st.st_mode):
-        _unlink_quietly(entry.name, dir_fd)
-        result.removed_tmp += 1
-    else:
-        result.kept_tmp += 1
-
-
-def _scandir_fd(dir_fd: int) -> list[os.DirEntry[str]]:
-    try:
-        with os.scandir(dir_fd) as it:
-            return list(it)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
 
 
 # ------------------------------------------------------------------------------------------------
@@ -749,6 +595,8 @@ class DualQueuePool:
                 self._running -= 1
                 self._completed += 1
                 need_wake = self._settle_locked(task)
+            # An idle worker must not keep its last task (its buffers, its result) alive.
+            del task
             if need_wake:
                 self._wake_loop()
 
