@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,9 +27,11 @@ from test_fs_tier import (
     store,
 )
 
+from kvtier.layout import Namespace
 from kvtier.tiers import fs as fs_module
 from kvtier.tiers import fs_io
-from kvtier.tiers.fs_scan import TreeWalker
+from kvtier.tiers.fs_index import leaf_of
+from kvtier.tiers.fs_scan import LeafListing, TreeWalker
 from kvtier.tiers.slots import SlotBuffer
 from kvtier.types import LookupResult
 
@@ -243,3 +246,89 @@ async def test_the_default_interval_stretches_so_a_re_sync_costs_at_most_5_perce
     async with running(fixed):
         fixed._pace(3.0)
         assert fixed.rescan_interval == 10.0
+
+
+def age_dirs(tmp_path: Path) -> None:
+    old = os.stat(tmp_path).st_mtime - 60  # older than the "racy" window: trusted when unchanged
+    for d in Path(tmp_path).glob("*_r0/*/*"):
+        os.utime(d, (old, old))
+
+
+@pytest.mark.anyio
+async def test_a_re_sync_cut_short_loses_no_change(tmp_path: Path, host: SlotBuffer, monkeypatch: pytest.MonkeyPatch) -> None:
+    await fill_tree(tmp_path, host, range(8))
+    age_dirs(tmp_path)
+    tier = make_tier(tmp_path, host, rescan_interval_s=3600)
+    async with running(tier):
+        await tier.wait_scanned()
+        path = Path(tier.namespace.chunk_path(key_of(3)))
+        path.unlink()  # another process deletes a chunk; its directory's mtime moves
+        old = os.stat(path.parent).st_mtime - 30
+        os.utime(path.parent, (old, old))
+        real_apply = tier._apply_batch
+
+        async def slow_apply(batch: Any, *, initial: bool) -> float:
+            await anyio.sleep(30)
+            return await real_apply(batch, initial=initial)
+
+        monkeypatch.setattr(tier, "_apply_batch", slow_apply)
+        with anyio.move_on_after(0.3):
+            await tier.rescan()  # the caller gives up: the listing is never applied
+        monkeypatch.setattr(tier, "_apply_batch", real_apply)
+        await tier.rescan()
+        assert key_of(3) not in tier.index and len(tier.index) == 7
+
+
+@pytest.mark.anyio
+async def test_a_failed_eviction_listed_meanwhile_is_found_again(tmp_path: Path, host: SlotBuffer,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    await fill_tree(tmp_path, host, range(4))
+    age_dirs(tmp_path)
+    tier = make_tier(tmp_path, host, rescan_interval_s=3600, max_bytes=4 * FILE)
+    async with running(tier):
+        await tier.wait_scanned()
+        victim = tier.index.keys()[0]
+        real_remove, real_all = fs_io.remove_file, fs_module._remove_all
+
+        def remove_file(dir_fd: int, relpath: str) -> bool:
+            if relpath == Namespace.chunk_relpath(victim):
+                raise PermissionError(13, "Permission denied")
+            return real_remove(dir_fd, relpath)
+
+        go = threading.Event()
+
+        def remove_all(*args: Any) -> Any:
+            out = real_all(*args)
+            go.wait(10)  # the loop learns of the failure only after a pass listed the directory
+            return out
+
+        monkeypatch.setattr(fs_io, "remove_file", remove_file)
+        monkeypatch.setattr(fs_module, "_remove_all", remove_all)
+        async with anyio.create_task_group() as tg:
+            async def storer() -> None:
+                assert (await store(tier, host, [100])).success  # evicts the victim (and fails to)
+
+            tg.start_soon(storer)
+            await anyio.sleep(0.3)
+            await tier.rescan()
+            go.set()
+        monkeypatch.setattr(fs_module, "_remove_all", real_all)
+        await tier.rescan()
+        await tier.rescan()
+        blocks = Path(tier.namespace.blocks_dir)
+        on_disk = {Namespace.key_from_relpath(str(p.relative_to(blocks))) for p in bin_files(tmp_path)}
+        assert on_disk <= set(tier.index.keys())  # no file on disk the index forgot for good
+        assert len(on_disk) * FILE <= 4 * FILE
+
+
+@pytest.mark.anyio
+async def test_an_older_listing_does_not_shrink_a_chunk_rewritten_since(tmp_path: Path, host: SlotBuffer) -> None:
+    tier = make_tier(tmp_path, host, rescan_interval_s=3600, max_bytes=8 * FILE)
+    async with running(tier):
+        await tier.wait_scanned()
+        listed_at = time.monotonic()  # a listing began; it saw an older, shorter file under the name
+        assert (await store(tier, host, [1])).success
+        key = key_of(1)
+        stale = LeafListing(*leaf_of(key), listed_at, [(key, FILE - 4096, time.time() - 5, "x.bin")])
+        tier._apply_leaf(stale, False, [])
+        assert tier.index.size_of(key) == os.path.getsize(tier.namespace.chunk_path(key)) == FILE

@@ -4,6 +4,7 @@ tier's use of it."""
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -15,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtier.layout import Namespace
-from kvtier.tiers import fs_io
+from kvtier.tiers import fs_io, fs_scan
 from kvtier.tiers.fs_scan import LeafMtimes, ScanBatch, ScanStopped, TreeWalker, chunk_key
 
 
@@ -28,11 +29,13 @@ def tree(tmp_path: Path) -> Iterator[int]:
 
 def walk(tree: int, mtimes: LeafMtimes | None = None, *, grace: float | None = None,
          budget: int = 1 << 20) -> ScanBatch:
-    """One whole pass, its steps merged."""
-    walker = TreeWalker(tree, mtimes if mtimes is not None else LeafMtimes(), tmp_grace_s=grace)
+    """One whole pass, its steps merged; each batch committed as the tier does once applied."""
+    mtimes = mtimes if mtimes is not None else LeafMtimes()
+    walker = TreeWalker(tree, mtimes, tmp_grace_s=grace)
     total = ScanBatch()
     while True:
         batch = walker.step(budget)
+        mtimes.commit(batch)
         total.leaves += batch.leaves
         total.tops += batch.tops
         for name in ("removed_tmp", "kept_tmp", "removed_unsafe", "leaves_checked", "leaves_listed", "files"):
@@ -203,3 +206,73 @@ def test_chunk_key_agrees_with_the_layout(block_hash: bytes, group: int) -> None
 def test_chunk_key_refuses_what_the_layout_would(name: str) -> None:
     relpath = f"abc/de_g0/{name}"
     assert (chunk_key(name, "abc", "de", 0) is None) == (Namespace.key_from_relpath(relpath) is None)
+
+
+def old_dirs(root: Path) -> None:
+    """Directory mtimes old enough to be trusted (not "racy")."""
+    old = time.time() - 60
+    for d in [*root.glob("*"), *root.glob("*/*_g*")]:
+        os.utime(d, (old, old))
+
+
+def test_a_batch_lost_on_the_way_is_listed_again(tmp_path: Path, tree: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that raises (or a batch its caller never applied) records nothing: the next pass
+    lists those directories again instead of skipping them as seen."""
+    for h in ("aaa111", "bbb222"):
+        chunk(tmp_path, h)
+    old_dirs(tmp_path)
+    mtimes = LeafMtimes()
+    real = fs_scan.list_leaf
+
+    def failing(leaf_fd: int, top: str, leaf_hex: str, group: int) -> fs_scan.Leaf:
+        if top == "bbb":
+            raise OSError(errno.EIO, "I/O error")
+        return real(leaf_fd, top, leaf_hex, group)
+
+    monkeypatch.setattr(fs_scan, "list_leaf", failing)
+    with pytest.raises(OSError):
+        TreeWalker(tree, mtimes, tmp_grace_s=None).step(1 << 20)  # aaa11 was listed, then lost
+    monkeypatch.setattr(fs_scan, "list_leaf", real)
+    walker = TreeWalker(tree, mtimes, tmp_grace_s=None)
+    uncommitted = walker.step(1 << 20)  # listed, but its caller was cancelled before applying it
+    assert uncommitted.done and hexes(uncommitted) == ["aaa111", "bbb222"]
+    assert 0xAAA in {t.top for t in uncommitted.tops if t.present is not None}
+    again = walk(tree, mtimes)
+    assert hexes(again) == ["aaa111", "bbb222"]
+    assert {t.top for t in again.tops if t.present is not None} == {0xAAA, 0xBBB}
+    after = walk(tree, mtimes)  # committed now: nothing changed, nothing listed or reported
+    assert after.leaves_listed == 0 and all(t.present is None for t in after.tops)
+
+
+def test_an_invalidation_made_after_a_listing_began_outlives_its_commit(tmp_path: Path, tree: int) -> None:
+    chunk(tmp_path, "aaa111")
+    old_dirs(tmp_path)
+    mtimes = LeafMtimes()
+    walk(tree, mtimes)
+    walker = TreeWalker(tree, mtimes, tmp_grace_s=None)
+    mtimes.invalidate(0, 0xAAA11)
+    early = walker.step(1 << 20)  # lists it (dirty), then a second failure invalidates it again
+    assert early.leaves_listed == 1
+    mtimes.invalidate(0, 0xAAA11)
+    mtimes.commit(early)
+    assert walk(tree, mtimes).leaves_listed == 1  # the later invalidation still counts
+    assert walk(tree, mtimes).leaves_listed == 0
+
+
+def test_a_leaf_whose_mtime_is_the_epoch_is_listed(tmp_path: Path, tree: int) -> None:
+    """0 means "never recorded": a directory whose mtime is 0 (restored archives) is still listed."""
+    chunk(tmp_path, "aaa111")
+    os.utime(tmp_path / "aaa" / "11_g0", (0, 0))
+    os.utime(tmp_path / "aaa", (0, 0))
+    mtimes = LeafMtimes()
+    first = walk(tree, mtimes)
+    assert hexes(first) == ["aaa111"] and [t.top for t in first.tops if t.present] == [0xAAA]
+    assert hexes(walk(tree, mtimes)) == ["aaa111"]  # never trusted as unchanged
+
+
+def test_a_directory_under_a_chunk_name_is_not_counted_as_removed(tmp_path: Path, tree: int) -> None:
+    chunk(tmp_path, "aaa111")
+    (tmp_path / "aaa" / "11_g0" / "aaa112.bin").mkdir()  # not followed, not removable by unlink
+    result = walk(tree)
+    assert hexes(result) == ["aaa111"] and result.removed_unsafe == 0
+    assert (tmp_path / "aaa" / "11_g0" / "aaa112.bin").is_dir()

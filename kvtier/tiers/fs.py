@@ -268,16 +268,17 @@ def _stat_sizes(dir_fd: int, keys: Sequence[bytes]) -> list[int | None]:
     return sizes
 
 
-def _remove_all(dir_fd: int, mtimes: LeafMtimes, keys: Sequence[bytes]) -> None:
+def _remove_all(dir_fd: int, keys: Sequence[bytes]) -> list[bytes]:
+    """Remove evicted chunks' files; the keys whose file could not be removed."""
+    failed = []
     for key in keys:
         relpath = Namespace.chunk_relpath(key)
         try:
             fs_io.remove_file(dir_fd, relpath)
         except OSError as exc:
-            # The chunk is already out of the index; the next rescan lists its directory again
-            # (its mtime did not change) and re-adds it if it survived.
-            mtimes.invalidate(*leaf_of(key))
+            failed.append(key)
             logger.warning("could not evict %s: %s", relpath, exc)
+    return failed
 
 
 # ------------------------------------------------------------------------------------------------
@@ -546,6 +547,7 @@ class FileSystemTier(SecondaryTier):
                     await anyio.sleep(max(0.0, due - time.monotonic()))
                 batch = await self._pool.run(IOQueue.READ, walker.step, _SCAN_STEP_ENTRIES, tops_per_step)
                 cpu += batch.cpu_s + await self._apply_batch(batch, initial=initial)
+                self._mtimes.commit(batch)  # only now may later passes skip what it listed
                 if batch.done:
                     break
         finally:
@@ -613,7 +615,8 @@ class FileSystemTier(SecondaryTier):
                 if not index.is_busy(key) and not index.confirmed_since(key, listed_at):
                     index.remove(key)
                     dropped.append(key)
-            elif found[0] != index.size_of(key) and not index.is_busy(key):
+            elif (found[0] != index.size_of(key) and not index.is_busy(key)
+                  and not index.confirmed_since(key, listed_at)):
                 index.add(key, found[0], found[1])
         if not on_disk:
             return
@@ -656,8 +659,9 @@ class FileSystemTier(SecondaryTier):
         deleting = self._deleting
         for key in keys:
             deleting[key] = deleting.get(key, 0) + 1
+        failed: Sequence[bytes] = keys  # unknown until the workers report
         try:
-            await self._pool.run(IOQueue.WRITE, _remove_all, self._dir_fd, self._mtimes, keys)
+            failed = await self._pool.run(IOQueue.WRITE, _remove_all, self._dir_fd, keys)
         finally:
             for key in keys:
                 left = deleting.pop(key) - 1
@@ -665,6 +669,10 @@ class FileSystemTier(SecondaryTier):
                     deleting[key] = left
             # A listing taken before this moment may still show the files: it must not revive them.
             self.index.note_removed(keys)
+            # Files that may have survived: passes list their directories again, and a listing
+            # that starts after this point (after the records above) re-adds what is there.
+            for key in failed:
+                self._mtimes.invalidate(*leaf_of(key))
             self._deletions.remove(done)
             done.set()
 
@@ -776,6 +784,8 @@ class FileSystemTier(SecondaryTier):
                     self._rejected.inc(1, "not_regular")
                 if reserved and (results is None or outcomes[i] is not None):
                     self.index.remove(key)  # not on disk after all (or unknown, if cancelled)
+                    if results is None:  # cut short: it may be; the next pass looks
+                        self._mtimes.invalidate(*leaf_of(key))
                 self.index.unpin(key)
             self._publish_usage()
         return outcomes
@@ -827,6 +837,7 @@ class FileSystemTier(SecondaryTier):
                 return TierIOError("unverified", f"chunk file {relpath} has no trailer; refused "
                                    "(accept_unverified_chunks is off)")
             self.index.remove(key)
+            self._mtimes.invalidate(*leaf_of(key))  # if its removal failed, the next pass re-adds it
             return ChunkCorrupt(f"chunk file {relpath} rejected: {result.reason}")
         self._unverified.inc()  # a trailer-less file of exactly one slot, accepted on request
         self.index.touch_or_add((key,), nbytes)

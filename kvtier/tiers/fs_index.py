@@ -25,6 +25,7 @@ bytes this process's chunks take on disk from above.
 from __future__ import annotations
 
 import math
+import sys
 import time
 from array import array
 from collections.abc import Iterable, Iterator
@@ -43,6 +44,7 @@ _MIGRATE_PER_INSERT = 8
 _MAX_LOAD = 0.6  # of the lookup table: linear probing stays short (~1.75 probes for a hit)
 #: How many recent removals the index remembers for the scans in flight (see :meth:`forget_removals_before`).
 MAX_REMOVAL_RECORDS = 1 << 16
+_RECORD_BYTES = sys.getsizeof(bytes(MAX_KEY_BYTES)) + sys.getsizeof(0.0)  # a record's key and time
 
 
 def leaf_of(key: bytes) -> tuple[int, int]:
@@ -135,13 +137,16 @@ class ChunkIndex:
         return list(self._leaf_heads)
 
     def nbytes(self) -> int:
-        """Bytes the index's arrays take (its memory, give or take a few small objects)."""
-        arrays: list[array[int] | array[float]] = [self._size, self._stored, self._seen, self._prev, self._next,
-                                                    self._lnext, self._table, *self._leaf_heads.values()]
+        """Bytes the index takes: its arrays, and the removal records (up to
+        ``MAX_REMOVAL_RECORDS`` of them, several MiB, while evictions outpace the scans)."""
+        arrays: list[array[int] | array[float]] = [
+            self._size, self._stored, self._seen, self._prev, self._next, self._lnext, self._table,
+            *self._leaf_heads.values(), *self._top_counts.values()]
         total = len(self._keys) + len(self._klen) + sum(len(a) * a.itemsize for a in arrays)
         if self._old is not None:
             total += len(self._old) * self._old.itemsize
-        return total
+        records = self._removed_at
+        return total + sys.getsizeof(records) + len(records) * _RECORD_BYTES
 
     # ------------------------------------------------------------------ changes
     def add(self, key: bytes, size: int, stored_at: float | None = None) -> None:

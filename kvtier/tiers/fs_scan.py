@@ -8,7 +8,8 @@ remove.
 At 10^6 chunk files a tree has ~650,000 leaf directories (``<hhh>/<hh>_g<group>``; up to 2^20 per
 group). The fs tier's periodic re-sync therefore costs what changed, not what exists:
 :class:`TreeWalker` stats each leaf directory and lists only those whose mtime differs from the
-one recorded when it was last listed (adding or removing a file changes its directory's mtime).
+one recorded when it was last listed (adding or removing a file changes its directory's mtime);
+a listing's mtime is recorded only once the caller applied it (:meth:`LeafMtimes.commit`).
 A leaf whose mtime is too recent to be trusted (a change within the same timestamp tick would
 not show) is not recorded, so the next pass lists it again.
 """
@@ -43,7 +44,8 @@ DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW | os.O_C
 #: timestamps are coarse (and on NFS set by another clock), so a change right after the listing
 #: might not move it.
 RACY_MTIME_S = 2.0
-_BREATHER_S = 50e-6  # after each top directory (~1 ms of work at 10^6 files)
+_BREATHER_S = 50e-6  # a pause in the walker's thread ...
+_BREATHE_EVERY_S = 1e-3  # ... after this much work
 
 
 class ScanStopped(Exception):
@@ -149,6 +151,7 @@ class LeafListing:
     leaf: int  # the first 20 bits of the hash: top << 8 | second-level shard
     listed_at: float  # monotonic, taken before the listing started
     chunks: list[tuple[bytes, int, float, str]]  # key, size, mtime, file name
+    mtime_ns: int = 0  # the directory's mtime, stat'ed before the listing (0: not to be trusted)
 
 
 @dataclass(slots=True)
@@ -159,6 +162,7 @@ class TopListing:
     top: int
     listed_at: float
     present: frozenset[int] | None
+    mtime_ns: int = 0  # its mtime when the root was listed (0: gone, or not to be trusted)
 
 
 @dataclass(slots=True)
@@ -176,21 +180,31 @@ class ScanBatch:
 
 
 class LeafMtimes:
-    """The mtime (ns) each shard directory had when last listed; 0 = unknown. Leaves are keyed
-    ``group << 20 | leaf``, top directories by their 12 bits (a top's mtime moves when a leaf
-    directory is created or removed in it). Written by the walker's thread; :meth:`invalidate`
-    (any thread) makes the next pass list a leaf again."""
+    """The mtime (ns) each shard directory had when last listed *and applied*; 0 = unknown. Leaves
+    are keyed ``group << 20 | leaf``, top directories by their 12 bits (a top's mtime moves when a
+    leaf directory is created or removed in it).
+
+    A walker only reads these. The caller records a batch with :meth:`commit` once it made its
+    index agree with it: a batch that is lost (a step that raised, a pass cancelled or failed
+    before its batch was applied) leaves its directories to be listed again by the next pass,
+    never recorded as seen. :meth:`invalidate` (any thread) makes passes list a leaf again until
+    a listing that started after the invalidation is committed.
+    """
 
     def __init__(self) -> None:
         self._leaves: dict[int, array[int]] = {}
         self.tops = array("q", bytes(8 * 4096))
-        self._dirty: set[int] = set()
+        self._dirty: dict[int, float] = {}  # group << 20 | leaf -> when invalidated (monotonic)
+        self._lock = threading.Lock()  # the walker's threads, the pool's and the loop's
 
     def group(self, group: int) -> array[int]:
         """The leaf mtimes of one group (allocated on first use: 8 MiB)."""
         arr = self._leaves.get(group)
         if arr is None:
-            arr = self._leaves[group] = array("q", bytes(8 << 20))
+            with self._lock:
+                arr = self._leaves.get(group)
+                if arr is None:
+                    arr = self._leaves[group] = array("q", bytes(8 << 20))
         return arr
 
     def get(self, group: int, leaf: int) -> int:
@@ -198,28 +212,43 @@ class LeafMtimes:
         return 0 if arr is None else arr[leaf]
 
     def invalidate(self, group: int, leaf: int) -> None:
-        self._dirty.add(group << 20 | leaf)
+        with self._lock:
+            self._dirty[group << 20 | leaf] = time.monotonic()
 
     def has_dirty(self) -> bool:
         return bool(self._dirty)
 
-    def take_dirty(self, group_leaf: int) -> bool:
-        """Whether leaf ``group << 20 | leaf`` was invalidated since it was last listed (and clear that)."""
-        dirty = self._dirty
-        if dirty and group_leaf in dirty:
-            dirty.discard(group_leaf)
-            return True
-        return False
+    def is_dirty(self, group_leaf: int) -> bool:
+        """Whether leaf ``group << 20 | leaf`` was invalidated and not listed (and committed) since."""
+        return group_leaf in self._dirty
+
+    def commit(self, batch: ScanBatch) -> None:
+        """Record the mtimes ``batch``'s directories had when listed: the caller applied it.
+        Cheap (no work per chunk): run it on the event loop after each batch."""
+        dirty, lock = self._dirty, self._lock
+        for listing in batch.leaves:
+            self.group(listing.group)[listing.leaf] = listing.mtime_ns
+            if dirty:
+                group_leaf = listing.group << 20 | listing.leaf
+                with lock:
+                    at = dirty.get(group_leaf)
+                    if at is not None and at <= listing.listed_at:
+                        del dirty[group_leaf]
+        tops = self.tops
+        for top in batch.tops:
+            tops[top.top] = top.mtime_ns
 
     def nbytes(self) -> int:
-        return sum(len(a) * a.itemsize for a in self._leaves.values()) + len(self.tops) * self.tops.itemsize
+        arrays = tuple(self._leaves.values())  # one C-level copy: a walker may add a group meanwhile
+        return sum(len(a) * a.itemsize for a in arrays) + len(self.tops) * self.tops.itemsize
 
 
 class TreeWalker:
     """One pass over a block tree, in steps that each run on a worker thread.
 
     Each :meth:`step` lists top-level directories (whole) until about ``budget`` entries were
-    handled and returns what changed since ``mtimes`` was recorded (every leaf, on a first pass).
+    handled and returns what changed since ``mtimes`` was recorded (every leaf, on a first pass);
+    it records nothing itself: the caller commits each batch to ``mtimes`` once applied.
     Stale temporary and probe files (older than ``tmp_grace_s``; None keeps them) and links or
     special files under layout names are removed and counted: the tier's own tree is its to
     clean. Raises :class:`ScanStopped` at the next directory once ``stop`` is set.
@@ -233,8 +262,10 @@ class TreeWalker:
         self._stop = stop
         self._tops: list[int] | None = None  # 0..4095, listed first
         self._present_tops: set[int] = set()
-        self._changed: set[int] = set()  # top directories whose mtime moved since last recorded
+        # Top directories whose mtime moved since last recorded -> the mtime to record once reported.
+        self._changed: dict[int, int] = {}
         self._root_listed_at = 0.0
+        self._breathe_at = 0.0
         self._pos = 0
         self.tops_total = 4096
 
@@ -263,10 +294,6 @@ class TreeWalker:
                 out.tops.append(TopListing(top, self._root_listed_at, None))
                 continue
             handled += 1 + self._walk_top(top, time.monotonic(), out, now)
-            # Let the event loop's thread take the interpreter lock: a thread that runs Python
-            # between short system calls keeps winning it back, and a waiter only forces the
-            # switch after sys.getswitchinterval() (5 ms). A real sleep hands it over.
-            time.sleep(_BREATHER_S)
         out.done = self._pos == len(tops)
         out.cpu_s = time.thread_time() - cpu
         return out
@@ -286,16 +313,16 @@ class TreeWalker:
                         continue
                     top = int(name, 16)
                     present.add(top)
-                    if st.st_mtime_ns != tops[top]:
-                        self._changed.add(top)
-                        tops[top] = st.st_mtime_ns if st.st_mtime_ns < racy_ns else 0
+                    mtime_ns = st.st_mtime_ns
+                    if not tops[top] or mtime_ns != tops[top]:  # recorded by LeafMtimes.commit
+                        self._changed[top] = mtime_ns if mtime_ns < racy_ns else 0
                 elif PROBE_NAME.fullmatch(name):
                     self._remove_if_stale(entry, own, now, out)
         finally:
             os.close(own)
         for top in range(4096):
             if top not in present:
-                tops[top] = 0
+                tops[top] = 0  # forgetting is always safe: a reappearing top is reported
         return present
 
     def _walk_top(self, top: int, listed_at: float, out: ScanBatch, now: float) -> int:
@@ -325,8 +352,7 @@ class TreeWalker:
                 except FileNotFoundError:
                     continue
                 if not stat.S_ISDIR(st.st_mode):
-                    _unlink_quietly(name, top_fd)
-                    out.removed_unsafe += 1
+                    out.removed_unsafe += _unlink_quietly(name, top_fd)
                     continue
                 low, group = parsed
                 leaf = base | low
@@ -336,20 +362,27 @@ class TreeWalker:
                 arr = group_arrays.get(group)
                 if arr is None:
                     arr = group_arrays[group] = mtimes.group(group)
+                if time.perf_counter() > self._breathe_at:
+                    # Let the event loop's thread take the interpreter lock: a thread that runs
+                    # Python between short system calls keeps winning it back, and a waiter only
+                    # forces the switch after sys.getswitchinterval() (5 ms). A sleep hands it over.
+                    time.sleep(_BREATHER_S)
+                    self._breathe_at = time.perf_counter() + _BREATHE_EVERY_S
                 mtime_ns = st.st_mtime_ns
-                if mtime_ns == arr[leaf] and not (dirty and mtimes.take_dirty(group_leaf)):
+                recorded = arr[leaf]  # 0: never listed, or not to be trusted
+                if recorded and mtime_ns == recorded and not (dirty and mtimes.is_dirty(group_leaf)):
                     continue
-                handled += self._list(top_fd, top_name, name, name[:2], group, leaf, out, now)
-                arr[leaf] = mtime_ns if mtime_ns < racy_ns else 0
+                trusted = mtime_ns if mtime_ns < racy_ns else 0  # recorded once the caller commits
+                handled += self._list(top_fd, top_name, name, name[:2], group, leaf, trusted, out, now)
             out.leaves_checked += len(names)
         finally:
             os.close(top_fd)
         if report:
-            out.tops.append(TopListing(top, listed_at, frozenset(present)))
+            out.tops.append(TopListing(top, listed_at, frozenset(present), self._changed[top]))
         return handled
 
     def _list(self, top_fd: int, top_name: str, name: str, leaf_hex: str, group: int, leaf: int,
-              out: ScanBatch, now: float) -> int:
+              mtime_ns: int, out: ScanBatch, now: float) -> int:
         listed_at = time.monotonic()
         leaf_fd = open_dir(top_fd, name)
         if leaf_fd is None:
@@ -358,17 +391,15 @@ class TreeWalker:
         try:
             found = list_leaf(leaf_fd, top_name, leaf_hex, group)
             for entry_name, _ in found.unsafe:
-                _unlink_quietly(entry_name, leaf_fd)
-                out.removed_unsafe += 1
+                out.removed_unsafe += _unlink_quietly(entry_name, leaf_fd)  # a directory stays
             for entry_name, st in found.tmp:
                 if self._grace is not None and now - st.st_mtime > self._grace:
-                    _unlink_quietly(entry_name, leaf_fd)
-                    out.removed_tmp += 1
+                    out.removed_tmp += _unlink_quietly(entry_name, leaf_fd)
                 else:
                     out.kept_tmp += 1
         finally:
             os.close(leaf_fd)
-        out.leaves.append(LeafListing(group, leaf, listed_at, found.chunks))
+        out.leaves.append(LeafListing(group, leaf, listed_at, found.chunks, mtime_ns))
         out.leaves_listed += 1
         out.files += len(found.chunks)
         return len(found.chunks) + len(found.tmp) + len(found.unsafe) + len(found.stray)
@@ -381,8 +412,7 @@ class TreeWalker:
             return None
         if stat.S_ISDIR(st.st_mode):
             return st
-        _unlink_quietly(entry.name, dir_fd)  # a link or file under a shard directory's name
-        out.removed_unsafe += 1
+        out.removed_unsafe += _unlink_quietly(entry.name, dir_fd)  # a link or file under a shard directory's name
         return None
 
     def _remove_if_stale(self, entry: os.DirEntry[str], dir_fd: int, now: float, out: ScanBatch) -> None:
@@ -391,14 +421,15 @@ class TreeWalker:
         except FileNotFoundError:
             return
         if self._grace is not None and now - st.st_mtime > self._grace and not stat.S_ISDIR(st.st_mode):
-            _unlink_quietly(entry.name, dir_fd)
-            out.removed_tmp += 1
+            out.removed_tmp += _unlink_quietly(entry.name, dir_fd)
         else:
             out.kept_tmp += 1
 
 
-def _unlink_quietly(name: str, dir_fd: int) -> None:
+def _unlink_quietly(name: str, dir_fd: int) -> bool:
+    """Remove ``name`` (never a directory); whether it was removed, so counts say what happened."""
     try:
         os.unlink(name, dir_fd=dir_fd)
     except OSError:
-        pass
+        return False
+    return True
