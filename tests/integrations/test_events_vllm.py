@@ -15,36 +15,10 @@ from typing import Any
 
 import msgspec
 import pytest
-from test_keys_vllm import EXTRA_KEY_BLOCK_SIZE, EXTRA_KEY_CASES, random_case, received
+from test_keys_vllm import EXTRA_KEY_BLOCK_SIZE, EXTRA_KEY_CASES, random_case, vllm_request
 
 from kvtier import events
 from kvtier.keys import RequestExtraKeys
-
-
-def vllm_request(case: dict[str, Any]) -> Any:
-    from vllm.lora.request import LoRARequest
-    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
-
-    embeds = case.get("prompt_embeds")
-    prompt_len = len(embeds) if embeds is not None else len(case["tokens"])
-    lora = None
-    if case.get("lora_name") is not None:
-        lora = LoRARequest(received(case["lora_name"]), 1, received(case["lora_path"]))
-    features = [
-        MultiModalFeatureSpec(data=None, modality="image", identifier=received(identifier),
-                              mm_position=PlaceholderRange(offset=offset, length=length))
-        for identifier, offset, length in case.get("mm_items") or ()
-    ]
-    request = Request(
-        "r", None if embeds is not None else list(case["tokens"][:prompt_len]),
-        SamplingParams(max_tokens=1), None, prompt_embeds=embeds, mm_features=features or None,
-        lora_request=lora, cache_salt=case.get("cache_salt") and received(case["cache_salt"]),
-    )
-    if len(case["tokens"]) > prompt_len:  # generated tokens after the prompt
-        request.append_output_token_ids(list(case["tokens"][prompt_len:]))
-    return request
 
 
 def vllm_per_block(case: dict[str, Any], block_size: int) -> list[Any]:

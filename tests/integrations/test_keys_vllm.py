@@ -38,17 +38,14 @@ def received(value: str) -> str:
     return msgspec.msgpack.decode(msgspec.msgpack.encode(value))  # type: ignore[no-any-return]
 
 
-def vllm_hashes(case: dict[str, Any], algorithm: str, block_size: int) -> list[bytes]:
-    """The block hashes vLLM computes for a request with these inputs."""
+def vllm_request(case: dict[str, Any], block_hasher: Any = None) -> Any:
+    """A real ``vllm.v1.request.Request`` with ``case``'s inputs (strings as vLLM's engine core
+    receives them), its generated tokens appended; hashed by ``block_hasher`` if given."""
     from vllm.lora.request import LoRARequest
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
     from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core import kv_cache_utils
     from vllm.v1.request import Request
 
-    hash_fn = get_hash_fn_by_name(algorithm)
-    kv_cache_utils.init_none_hash(hash_fn)
     embeds = case.get("prompt_embeds")
     prompt_len = len(embeds) if embeds is not None else len(case["tokens"])
     lora = None
@@ -63,10 +60,21 @@ def vllm_hashes(case: dict[str, Any], algorithm: str, block_size: int) -> list[b
         "r", None if embeds is not None else list(case["tokens"][:prompt_len]),
         SamplingParams(max_tokens=1), None, prompt_embeds=embeds, mm_features=features or None,
         lora_request=lora, cache_salt=case.get("cache_salt") and received(case["cache_salt"]),
-        block_hasher=kv_cache_utils.get_request_block_hasher(block_size, hash_fn),
+        block_hasher=block_hasher,
     )
     if len(case["tokens"]) > prompt_len:  # generated tokens after the prompt
         request.append_output_token_ids(list(case["tokens"][prompt_len:]))
+    return request
+
+
+def vllm_hashes(case: dict[str, Any], algorithm: str, block_size: int) -> list[bytes]:
+    """The block hashes vLLM computes for a request with these inputs."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    hash_fn = get_hash_fn_by_name(algorithm)
+    kv_cache_utils.init_none_hash(hash_fn)
+    request = vllm_request(case, kv_cache_utils.get_request_block_hasher(block_size, hash_fn))
     assert list(request.all_token_ids) == list(case["tokens"])
     return list(request.block_hashes)
 
