@@ -35,6 +35,11 @@ RUNS: dict[str, tuple[list[str], list[str]]] = {
         ["256K  cross-layer   in order", "manager lookup, 1000-chunk prefix of host hits"],
     ),
     "obj_tier.py": (["--chunks", "4", "--rounds", "1"], ["store", "load", "raw MiB/s"]),
+    "fs_scale.py": (
+        ["--files", "300", "--changes", "10", "--interval", "0.5"],
+        ["chunk files found (raw walk / indexed)", "300 / 300", "changes seen by that rescan",
+         "periodic re-sync, CPU share of one core", "index bytes per chunk"],
+    ),
     "p2p_tier.py": (["--tiny"], ["raw GiB/s", "256 KiB", "2 MiB"]),
     "verify.py": (
         ["--chunks", "16", "--chunk-kib", "64", "--trials", "2", "--passes", "1", "--threads", "2"],
