@@ -34,11 +34,14 @@ Semantics callers rely on:
   least recently stored/loaded chunks first, BEFORE the chunk is written, and the chunk is written
   only once the files of every eviction started before it are deleted — so the bytes this
   process's files take under the rank's tree never exceed ``max_bytes``, not even between jobs.
-  Chunks being read or written are never evicted. Usage is rebuilt from disk at start-up (recency
-  seeded from mtimes) and re-synchronised every ``rescan_interval_s`` with what other processes
-  added or deleted; a rescan never drops a chunk this process confirmed after it started listing.
-  Several engines (or processes) sharing a tree each hold the cap for what they know of;
-  together they converge at their rescans.
+  Chunks being read or written are never evicted. Usage is rebuilt from disk by a start-up scan
+  that runs in the background (recency seeded from mtimes; until it is over the unscanned rest
+  counts as full, so a store evicts as much as it adds), then re-synchronised every
+  ``rescan_interval_s`` with what other processes added or deleted — listing only the shard
+  directories whose mtime moved (:mod:`kvtier.tiers.fs_scan`); a rescan never drops a chunk this
+  process confirmed after it started listing. The index (:mod:`kvtier.tiers.fs_index`) holds no
+  Python object per chunk. Several engines (or processes) sharing a tree each hold the cap for
+  what they know of; together they converge at their rescans.
 * **Whole jobs per hand-off**: the tier implements the base's batch hooks
   (:meth:`FileSystemTier.write_many` / :meth:`FileSystemTier.read_many`): a job's chunks are
   queued on the dual-queue pool together — cut into one slice per CPU core for page-cache
