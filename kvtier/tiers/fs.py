@@ -65,7 +65,7 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from functools import partial
 from typing import Any, ClassVar
 
@@ -102,6 +102,8 @@ _SCAN_STEP_ENTRIES = 2048
 #: ``_RESCAN_CPU_SHARE`` of a core at that pace (an explicit ``rescan_interval_s`` is kept).
 _DEFAULT_RESCAN_S = 30.0
 _RESCAN_CPU_SHARE = 0.04  # of what a pass measures itself; hand-offs and wake-ups bring it to ~5%
+#: ``open`` waits this long for the start-up scan (a small tree is then known before serving).
+_SCAN_BEFORE_SERVING_S = 0.5
 #: A periodic re-sync takes one step every this many seconds, spread over its interval.
 _PACE_S = 0.1
 #: The loop applies scan results (and evicts) in slices of at most this long, then lets others run.
@@ -340,7 +342,7 @@ class FileSystemTier(SecondaryTier):
         self._pool = DualQueuePool(self.n_read_threads, self.n_write_threads, name=f"kvtier-fs{context.index}")
         self._deletions: list[anyio.Event] = []  # eviction deletions in flight, oldest first
         self._deleting: dict[bytes, int] = {}  # keys whose files those deletions are removing
-        self._ready = anyio.Event()
+        self._opened = anyio.Event()  # the tree is open: the start-up scan may begin
         self._scan_scope = anyio.CancelScope()
         self._scan_done = anyio.Event()
         self._stop_scans = threading.Event()  # set by close: a long scan gives up
@@ -387,7 +389,7 @@ class FileSystemTier(SecondaryTier):
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._scan_loop)
             try:
-                await super().run(task_status=_StartedHook(task_status, self._ready.set))
+                await super().run(task_status=task_status)
             except Exception as exc:  # re-raised below, outside the group, so it is not wrapped
                 error = exc
             finally:
@@ -409,9 +411,13 @@ class FileSystemTier(SecondaryTier):
             else:
                 logger.warning("tier %s: O_DIRECT is not available under %s; using buffered I/O",
                                self.label, self.namespace.blocks_dir)
-            # What is on disk is learnt by the scan task, in the background: until it is done,
-            # unknown keys are probed and reservations assume the unscanned rest fills max_bytes.
+            # What is on disk is learnt by the scan task: until it is done, unknown keys are
+            # probed and reservations assume the unscanned rest fills max_bytes. A small tree is
+            # scanned before serving starts; a big one goes on in the background.
             self.index.complete = False
+            self._opened.set()
+            with anyio.move_on_after(_SCAN_BEFORE_SERVING_S):
+                await self._scanned.wait()
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await self._pool.aclose()
@@ -478,11 +484,11 @@ class FileSystemTier(SecondaryTier):
         ``rescan_interval_s``, each spread over the interval. I/O failures are logged."""
         try:
             with self._scan_scope:
-                await self._ready.wait()
+                await self._opened.wait()
                 started = time.monotonic()
                 try:
                     await self._pass(self.stale_tmp_grace_s, initial=True)
-                except ScanStopped:
+                except (ScanStopped, anyio.ClosedResourceError):  # closing (or open failed)
                     return
                 except OSError as exc:
                     logger.warning("tier %s: start-up scan failed, usage is what was found so far: %s",
@@ -861,18 +867,6 @@ class FileSystemTier(SecondaryTier):
         """The manager used ``keys``: they become the most recently used on disk too."""
         for key in keys:
             self.index.touch(key)
-
-
-class _StartedHook:
-    """A ``TaskStatus`` that runs ``hook`` right before reporting readiness to ``inner``."""
-
-    def __init__(self, inner: TaskStatus[None], hook: Callable[[], None]) -> None:
-        self._inner = inner
-        self._hook = hook
-
-    def started(self, value: None = None) -> None:
-        self._hook()
-        self._inner.started(value)
 
 
 _unbounded_dirs: set[str] = set()
