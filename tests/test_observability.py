@@ -437,7 +437,9 @@ async def test_full_event_queue_drops_batches_without_blocking_stores(monkeypatc
     offered batch ends up published or dropped.
     """
     chunks = 256  # chunks per prompt: one BlockStored each, plus one BlockRemoved per eviction
-    config = {"cpu_bytes_to_use": 2 * chunks * SLOT_BYTES}
+    # Room for every worker's chunks at once: a store that found every slot still being written
+    # would place fewer tokens, and this test counts them.
+    config = {"cpu_bytes_to_use": 8 * 2 * chunks * SLOT_BYTES}
     # One distinct device block per chunk (a call's block ids must be distinct); the concurrent
     # stores share them, which is fine: stores only read device blocks.
     blocks = list(range(chunks))
