@@ -84,7 +84,7 @@ class IndexModel(RuleBasedStateMachine):
     @rule(chunks=st.lists(st.tuples(st.sampled_from(KEYS), st.integers(1, 60), st.sampled_from(AGES)),
                           max_size=12))
     def add_cold(self, chunks: list[tuple[bytes, int, float]]) -> None:
-        self.index.add_cold((key, size, self.now - age, "") for key, size, age in chunks)
+        self.index.add_cold((key, size, self.now - age) for key, size, age in chunks)
         for key, size, age in chunks:
             if key not in self.sizes:  # known keys are kept as they are
                 self.sizes[key] = size
@@ -246,7 +246,7 @@ def test_while_incomplete_a_reservation_frees_what_it_takes() -> None:
     a, b = (bytes([i]) * 32 + bytes(4) for i in (1, 2))
     with pytest.raises(TierIOError):
         index.reserve(a, 10)  # nothing known to evict: the unscanned tree may fill the cap
-    index.add_cold([(a, 10, time.time() - 60, "")])
+    index.add_cold([(a, 10, time.time() - 60)])
     assert [k for k, _ in index.reserve(b, 10)] == [a]
     index.complete = True
     assert index.reserve(a, 10) == []

@@ -31,7 +31,7 @@ from kvtier.layout import Namespace
 from kvtier.tiers import fs as fs_module
 from kvtier.tiers import fs_io
 from kvtier.tiers.fs_index import leaf_of
-from kvtier.tiers.fs_scan import LeafListing, TreeWalker
+from kvtier.tiers.fs_scan import LeafListing
 from kvtier.tiers.slots import SlotBuffer
 from kvtier.types import LookupResult
 
@@ -44,24 +44,35 @@ def host() -> Any:
 
 
 class ScanGate:
-    """Holds the tier's walker before each step after the first ``free`` ones, until released."""
+    """Holds the tier's scan before it applies each batch after the first ``free`` ones; each
+    ``release.set()`` lets one held batch through."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, free: int = 0) -> None:
         self.free = free
         self.steps = 0
         self.release = threading.Event()
         self.waiting = threading.Event()
-        real_step = TreeWalker.step
+        real_apply = fs_module.FileSystemTier._apply_batch
         gate = self
 
-        def step(walker: TreeWalker, *args: Any) -> Any:
+        async def apply(tier: fs_module.FileSystemTier, batch: Any, *, initial: bool) -> float:
             if gate.steps >= gate.free:
                 gate.waiting.set()
-                gate.release.wait(30)
+                while not gate.release.is_set():
+                    await anyio.sleep(0.005)
+                gate.release.clear()
             gate.steps += 1
-            return real_step(walker, *args)
+            return await real_apply(tier, batch, initial=initial)
 
-        monkeypatch.setattr(TreeWalker, "step", step)
+        monkeypatch.setattr(fs_module.FileSystemTier, "_apply_batch", apply)
+
+
+@pytest.fixture(params=["thread", "processes"])
+def walk_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Walk the tree on a pool thread (small trees) or in scan worker processes (big ones)."""
+    if request.param == "processes":
+        monkeypatch.setattr(fs_module, "_IN_THREAD_TOPS", 0)
+    return str(request.param)
 
 
 async def fill_tree(tmp_path: Path, host: SlotBuffer, ids: range) -> None:
@@ -80,7 +91,7 @@ async def wait_for(condition: Any, what: str) -> None:
 
 @pytest.mark.anyio
 async def test_the_tier_serves_before_its_start_up_scan_is_over(
-    tmp_path: Path, host: SlotBuffer, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, host: SlotBuffer, monkeypatch: pytest.MonkeyPatch, walk_mode: str
 ) -> None:
     await fill_tree(tmp_path, host, range(20))
     gate = ScanGate(monkeypatch)
@@ -92,6 +103,7 @@ async def test_the_tier_serves_before_its_start_up_scan_is_over(
         assert await probe(tier, [key_of(3), key_of(99)]) == [LookupResult.HIT, LookupResult.MISS]
         result = await load(tier, [3, 4])
         assert result.success and bytes(host.view(0)) == expected(3)
+        gate.free = 1 << 30
         gate.release.set()
         await tier.wait_scanned()
         assert tier.scanned and len(tier.index) == 20 and tier.index.used == 20 * FILE
@@ -100,7 +112,7 @@ async def test_the_tier_serves_before_its_start_up_scan_is_over(
 
 @pytest.mark.anyio
 async def test_the_cap_holds_while_the_start_up_scan_is_under_way(
-    tmp_path: Path, host: SlotBuffer, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, host: SlotBuffer, monkeypatch: pytest.MonkeyPatch, walk_mode: str
 ) -> None:
     cap = 16 * FILE
     await fill_tree(tmp_path, host, range(16))  # the tree is full when the tier starts
@@ -145,7 +157,7 @@ async def test_the_cap_holds_while_the_start_up_scan_is_under_way(
 
 @pytest.mark.anyio
 async def test_scan_results_are_applied_in_slices_while_stores_and_loads_go_on(
-    tmp_path: Path, host: SlotBuffer, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, host: SlotBuffer, monkeypatch: pytest.MonkeyPatch, walk_mode: str
 ) -> None:
     await fill_tree(tmp_path, host, range(64))
     monkeypatch.setattr(fs_module, "_SCAN_STEP_ENTRIES", 8)
@@ -162,6 +174,15 @@ async def test_scan_results_are_applied_in_slices_while_stores_and_loads_go_on(
     cap = 80 * FILE
     tier = make_tier(tmp_path, host, max_bytes=cap, rescan_interval_s=0.05)
     stored: set[bytes] = set()
+    evicted: set[bytes] = set()
+    real_report = tier._report_evictions
+
+    def report(victims: Any) -> None:
+        victims = list(victims)
+        evicted.update(key for key, _ in victims)
+        real_report(victims)
+
+    monkeypatch.setattr(tier, "_report_evictions", report)
     async with running(tier, scanned=False):
         async def traffic() -> None:
             for wave in range(6):
@@ -188,12 +209,14 @@ async def test_scan_results_are_applied_in_slices_while_stores_and_loads_go_on(
                    for p in bin_files(tmp_path)}
         assert set(tier.index.keys()) == on_disk
         assert tier.index.used == len(on_disk) * FILE <= cap
-        assert stored <= on_disk  # every chunk stored once the usage was known survived
+        # Every chunk stored once the usage was known is there, unless evicted as least recent
+        # (loads make older chunks more recent): no listing forgot it.
+        assert stored - evicted <= on_disk
 
 
 @pytest.mark.anyio
 async def test_a_periodic_re_sync_sees_other_processes_changes_within_one_interval(
-    tmp_path: Path, host: SlotBuffer
+    tmp_path: Path, host: SlotBuffer, walk_mode: str
 ) -> None:
     tier = make_tier(tmp_path, host, max_bytes=64 * FILE, rescan_interval_s=0.2)
     other = make_tier(tmp_path, host, rescan_interval_s=3600)  # another process on the same root
@@ -211,7 +234,7 @@ async def test_a_periodic_re_sync_sees_other_processes_changes_within_one_interv
 
 
 @pytest.mark.anyio
-async def test_a_re_sync_lists_only_directories_that_changed(tmp_path: Path, host: SlotBuffer) -> None:
+async def test_a_re_sync_lists_only_directories_that_changed(tmp_path: Path, host: SlotBuffer, walk_mode: str) -> None:
     await fill_tree(tmp_path, host, range(32))
     # Directory mtimes older than the "racy" window: a directory written this second is re-listed.
     old = os.stat(tmp_path).st_mtime - 60
@@ -255,7 +278,8 @@ def age_dirs(tmp_path: Path) -> None:
 
 
 @pytest.mark.anyio
-async def test_a_re_sync_cut_short_loses_no_change(tmp_path: Path, host: SlotBuffer, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_re_sync_cut_short_loses_no_change(tmp_path: Path, host: SlotBuffer, monkeypatch: pytest.MonkeyPatch,
+                                                   walk_mode: str) -> None:
     await fill_tree(tmp_path, host, range(8))
     age_dirs(tmp_path)
     tier = make_tier(tmp_path, host, rescan_interval_s=3600)
@@ -281,7 +305,7 @@ async def test_a_re_sync_cut_short_loses_no_change(tmp_path: Path, host: SlotBuf
 
 @pytest.mark.anyio
 async def test_a_failed_eviction_listed_meanwhile_is_found_again(tmp_path: Path, host: SlotBuffer,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                  monkeypatch: pytest.MonkeyPatch, walk_mode: str) -> None:
     await fill_tree(tmp_path, host, range(4))
     age_dirs(tmp_path)
     tier = make_tier(tmp_path, host, rescan_interval_s=3600, max_bytes=4 * FILE)
@@ -329,6 +353,6 @@ async def test_an_older_listing_does_not_shrink_a_chunk_rewritten_since(tmp_path
         listed_at = time.monotonic()  # a listing began; it saw an older, shorter file under the name
         assert (await store(tier, host, [1])).success
         key = key_of(1)
-        stale = LeafListing(*leaf_of(key), listed_at, [(key, FILE - 4096, time.time() - 5, "x.bin")])
+        stale = LeafListing(*leaf_of(key), listed_at, [(key, FILE - 4096, time.time() - 5)])
         tier._apply_leaf(stale, False, [])
         assert tier.index.size_of(key) == os.path.getsize(tier.namespace.chunk_path(key)) == FILE

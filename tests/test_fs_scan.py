@@ -8,7 +8,7 @@ import errno
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,16 @@ from hypothesis import strategies as st
 
 from kvtier.layout import Namespace
 from kvtier.tiers import fs_io, fs_scan
-from kvtier.tiers.fs_scan import LeafMtimes, ScanBatch, ScanStopped, TreeWalker, chunk_key
+from kvtier.tiers.fs_scan import (
+    LeafMtimes,
+    PassPlan,
+    ScanBatch,
+    ScanStopped,
+    chunk_key,
+    list_root,
+    walk_tops,
+    walk_tree,
+)
 
 
 @pytest.fixture
@@ -27,21 +36,24 @@ def tree(tmp_path: Path) -> Iterator[int]:
     os.close(fd)
 
 
-def walk(tree: int, mtimes: LeafMtimes | None = None, *, grace: float | None = None,
-         budget: int = 1 << 20) -> ScanBatch:
-    """One whole pass, its steps merged; each batch committed as the tier does once applied."""
-    mtimes = mtimes if mtimes is not None else LeafMtimes()
-    walker = TreeWalker(tree, mtimes, tmp_grace_s=grace)
+def merged(batches: Iterable[ScanBatch], mtimes: LeafMtimes | None = None) -> ScanBatch:
+    """Batches merged into one; each committed to ``mtimes`` (as the tier does once applied)."""
     total = ScanBatch()
-    while True:
-        batch = walker.step(budget)
-        mtimes.commit(batch)
+    for batch in batches:
+        if mtimes is not None:
+            mtimes.commit(batch)
         total.leaves += batch.leaves
         total.tops += batch.tops
         for name in ("removed_tmp", "kept_tmp", "removed_unsafe", "leaves_checked", "leaves_listed", "files"):
             setattr(total, name, getattr(total, name) + getattr(batch, name))
-        if batch.done:
-            return total
+    return total
+
+
+def walk(tree: int, mtimes: LeafMtimes | None = None, *, grace: float | None = None,
+         budget: int = 1 << 20) -> ScanBatch:
+    """One whole pass, its batches merged; each batch committed as the tier does once applied."""
+    mtimes = mtimes if mtimes is not None else LeafMtimes()
+    return merged(walk_tree(tree, mtimes, tmp_grace_s=grace, budget=budget), mtimes)
 
 
 def chunk(root: Path, h: str, group: int = 0, data: bytes = b"x", age: float = 0.0) -> Path:
@@ -90,15 +102,13 @@ def test_a_pass_over_an_empty_tree_reports_every_top_directory_gone(tree: int) -
     assert all(t.present is None for t in result.tops) and len(result.tops) == 4096
 
 
-def test_steps_are_bounded_by_their_budget(tmp_path: Path, tree: int) -> None:
+def test_batches_are_bounded_by_their_budget(tmp_path: Path, tree: int) -> None:
     for i in range(40):
         chunk(tmp_path, f"{i:03x}aa")
-    walker = TreeWalker(tree, LeafMtimes(), tmp_grace_s=None)
-    steps = []
-    while not steps or not steps[-1].done:
-        steps.append(walker.step(4))
-    listed = [len(s.leaves) for s in steps]
+    batches = list(walk_tree(tree, LeafMtimes(), tmp_grace_s=None, budget=4))
+    listed = [len(b.leaves) for b in batches]
     assert sum(listed) == 40 and max(listed) <= 2  # a top directory (2 entries here) is never split
+    assert sum(b.end for b in batches) == 1 + 5  # the root's batch, then 5 requests of 8 tops
 
 
 def test_a_second_pass_lists_only_leaves_whose_mtime_changed(tmp_path: Path, tree: int) -> None:
@@ -181,14 +191,16 @@ def test_links_and_pipes_under_layout_names_are_removed_without_being_followed(t
     assert (outside / "de_g0" / "abcdef.bin").read_bytes() == b"outside"  # the target is untouched
 
 
-def test_a_set_stop_event_ends_the_pass_at_the_next_directory(tmp_path: Path, tree: int) -> None:
+def test_a_set_stop_event_ends_the_walk_at_the_next_directory(tmp_path: Path, tree: int) -> None:
     chunk(tmp_path, "aaa111")
+    chunk(tmp_path, "bbb111")
     stop = threading.Event()
-    walker = TreeWalker(tree, LeafMtimes(), tmp_grace_s=None, stop=stop)
-    walker.step(1)
+    plan = PassPlan(list_root(tree, None), LeafMtimes(), tmp_grace_s=None, tops_per_request=8, budget=1)
+    walking = walk_tops(tree, plan.request(0), stop=stop)
+    assert [leaf.leaf for leaf in next(walking).leaves] == [0xAAA11]
     stop.set()
     with pytest.raises(ScanStopped):
-        walker.step(1 << 20)
+        next(walking)
 
 
 @given(st.binary(min_size=3, max_size=40), st.integers(0, 2**32 - 1))
@@ -231,11 +243,10 @@ def test_a_batch_lost_on_the_way_is_listed_again(tmp_path: Path, tree: int, monk
 
     monkeypatch.setattr(fs_scan, "list_leaf", failing)
     with pytest.raises(OSError):
-        TreeWalker(tree, mtimes, tmp_grace_s=None).step(1 << 20)  # aaa11 was listed, then lost
+        list(walk_tree(tree, mtimes, tmp_grace_s=None))  # aaa11 was listed, then lost
     monkeypatch.setattr(fs_scan, "list_leaf", real)
-    walker = TreeWalker(tree, mtimes, tmp_grace_s=None)
-    uncommitted = walker.step(1 << 20)  # listed, but its caller was cancelled before applying it
-    assert uncommitted.done and hexes(uncommitted) == ["aaa111", "bbb222"]
+    uncommitted = merged(walk_tree(tree, mtimes, tmp_grace_s=None))  # its caller was cancelled before applying it
+    assert hexes(uncommitted) == ["aaa111", "bbb222"]
     assert 0xAAA in {t.top for t in uncommitted.tops if t.present is not None}
     again = walk(tree, mtimes)
     assert hexes(again) == ["aaa111", "bbb222"]
@@ -249,12 +260,11 @@ def test_an_invalidation_made_after_a_listing_began_outlives_its_commit(tmp_path
     old_dirs(tmp_path)
     mtimes = LeafMtimes()
     walk(tree, mtimes)
-    walker = TreeWalker(tree, mtimes, tmp_grace_s=None)
     mtimes.invalidate(0, 0xAAA11)
-    early = walker.step(1 << 20)  # lists it (dirty), then a second failure invalidates it again
-    assert early.leaves_listed == 1
+    early = list(walk_tree(tree, mtimes, tmp_grace_s=None))  # lists it, then a second failure invalidates it again
+    assert merged(early).leaves_listed == 1
     mtimes.invalidate(0, 0xAAA11)
-    mtimes.commit(early)
+    merged(early, mtimes)  # committed after the second invalidation
     assert walk(tree, mtimes).leaves_listed == 1  # the later invalidation still counts
     assert walk(tree, mtimes).leaves_listed == 0
 

@@ -264,7 +264,7 @@ def _list_shard(tree_fd: int, d1: str) -> TreeListing:
                 leaf = fs_scan.list_leaf(d2_fd, d1, match.group(1), int(match.group(2)))
             finally:
                 os.close(d2_fd)
-            out.chunks += [FileEntry(f"{rel2}/{name}", size, mtime) for _, size, mtime, name in leaf.chunks]
+            out.chunks += [FileEntry(f"{rel2}/{key[:-4].hex()}.bin", size, mtime) for key, size, mtime in leaf.chunks]
             out.unsafe += [_entry(f"{rel2}/{name}", est) for name, est in leaf.unsafe]
             out.tmp += [_entry(f"{rel2}/{name}", est) for name, est in leaf.tmp]
             out.stray += [_entry(f"{rel2}/{name}", est) for name, est in leaf.stray]

@@ -39,7 +39,9 @@ Semantics callers rely on:
   counts as full, so a store evicts as much as it adds), then re-synchronised every
   ``rescan_interval_s`` with what other processes added or deleted — listing only the shard
   directories whose mtime moved (:mod:`kvtier.tiers.fs_scan`); a rescan never drops a chunk this
-  process confirmed after it started listing. The index (:mod:`kvtier.tiers.fs_index`) holds no
+  process confirmed after it started listing. Trees of more than a few hundred top directories
+  are walked by up to two worker processes at the lowest CPU priority
+  (:mod:`kvtier.tiers.fs_scan_workers`): the event loop only applies what they found. The index (:mod:`kvtier.tiers.fs_index`) holds no
   Python object per chunk. Several engines (or processes) sharing a tree each hold the cap for
   what they know of; together they converge at their rescans.
 * **Whole jobs per hand-off**: the tier implements the base's batch hooks
@@ -77,8 +79,19 @@ from kvtier.layout import Namespace, namespace
 from kvtier.tiers import fs_beneath, fs_io
 from kvtier.tiers.base import ChunkCorrupt, ChunkNotFound, SecondaryTier, TierContext, TierIOError
 from kvtier.tiers.fs_index import ChunkIndex, leaf_of
-from kvtier.tiers.fs_io import DualQueuePool, IOQueue
-from kvtier.tiers.fs_scan import LeafListing, LeafMtimes, ScanBatch, ScanStopped, TopListing, TreeWalker
+from kvtier.tiers.fs_io import DualQueuePool, IOQueue, usable_cpus
+from kvtier.tiers.fs_scan import (
+    LeafListing,
+    LeafMtimes,
+    PassPlan,
+    ScanBatch,
+    ScanStopped,
+    TopListing,
+    WalkRequest,
+    list_root,
+    walk_tops,
+)
+from kvtier.tiers.fs_scan_workers import ScanWorkers, ScanWorkerStartError
 from kvtier.tiers.integrity import (
     ACCEPTED_VERIFIED,
     REJECT_REASONS,
@@ -96,16 +109,21 @@ logger = logging.getLogger(__name__)
 #: Allowed values of the fs ``eviction_policy`` option.
 EVICTION_POLICIES: tuple[str, ...] = ("lru",)
 _MAX_CONFIG_JSON_BYTES = 1 << 20
-#: Entries a scan step lists on a worker before the loop applies them (a few ms of work).
+#: Entries a scan batch holds (whole top directories: a few ms of the loop's time to apply).
 _SCAN_STEP_ENTRIES = 2048
+#: Top directories per walk request (~2000 entries on a tree of 10^6 chunk files).
+_TOPS_PER_REQUEST = 8
+#: Trees with more top directories than this are walked by worker processes
+#: (:mod:`kvtier.tiers.fs_scan_workers`), smaller ones on a pool thread (a few ms).
+_IN_THREAD_TOPS = 512
+#: Worker processes a walk uses at most.
+_SCAN_WORKERS = 2
 #: Default seconds between re-syncs; stretched on trees where a re-sync costs more than
 #: ``_RESCAN_CPU_SHARE`` of a core at that pace (an explicit ``rescan_interval_s`` is kept).
 _DEFAULT_RESCAN_S = 30.0
-_RESCAN_CPU_SHARE = 0.04  # of what a pass measures itself; hand-offs and wake-ups bring it to ~5%
+_RESCAN_CPU_SHARE = 0.035  # of what a pass measures itself; hand-offs and wake-ups bring it to ~5%
 #: ``open`` waits this long for the start-up scan (a small tree is then known before serving).
 _SCAN_BEFORE_SERVING_S = 0.5
-#: A periodic re-sync takes one step every this many seconds, spread over its interval.
-_PACE_S = 0.1
 #: The loop applies scan results (and evicts) in slices of at most this long, then lets others run.
 _SLICE_S = 0.002
 #: Evictions picked per slice when a scan finds the tree over max_bytes.
@@ -334,6 +352,8 @@ class FileSystemTier(SecondaryTier):
         expected = 0 if self.max_bytes is None else self.max_bytes // stored_size(context.slot_bytes)
         self.index = ChunkIndex(self.max_bytes, expected_entries=min(expected, _MAX_EXPECTED_ENTRIES))
         self._mtimes = LeafMtimes()
+        self._workers = ScanWorkers(min(_SCAN_WORKERS, usable_cpus()))
+        self._walk_in_thread = False  # set once workers could not be started
         self._scanned = anyio.Event()  # the start-up scan is over (or was stopped)
         self._passes: list[float] = []  # start times of the passes under way (a rescan may meet a periodic one)
         self.o_direct = False
@@ -440,9 +460,11 @@ class FileSystemTier(SecondaryTier):
         try:
             await self._scan_done.wait()  # never close the pool under a running scan
         finally:
-            # Even when close itself is cut short (close_timeout_s): the threads are joined and
-            # the tree's descriptor closed — a scan in progress ends within one directory.
+            # Even when close itself is cut short (close_timeout_s): the workers are killed, the
+            # threads joined and the tree's descriptor closed — a scan in progress ends within
+            # one directory.
             with anyio.CancelScope(shield=True):
+                await self._workers.aclose()
                 await self._pool.aclose()
             self._close_tree()
 
@@ -536,29 +558,49 @@ class FileSystemTier(SecondaryTier):
 
     async def _pass(self, tmp_grace_s: float | None, *, initial: bool = False, spread_over: float = 0.0) -> float:
         """One walk over the tree: list what changed, make the index agree, evict if over the cap.
-        Returns the CPU seconds it took (the walker's threads and the loop's share).
+        Returns the CPU seconds it took (the walkers' and the loop's share).
 
         With ``spread_over`` the walk is paced to take that many seconds (a periodic re-sync:
         every directory is visited once per interval, at a steady rate)."""
         cpu = 0.0
-        walker = TreeWalker(self._dir_fd, self._mtimes, tmp_grace_s=tmp_grace_s, stop=self._stop_scans)
         started = time.monotonic()
         # Removal records older than every pass under way can mislead no listing to come.
         self._passes.append(started)
         self.index.forget_removals_before(self._passes[0])
+
+        async def apply(batch: ScanBatch) -> None:
+            nonlocal cpu
+            if self._stop_scans.is_set():
+                raise ScanStopped("scan stopped")
+            cpu += batch.cpu_s + await self._apply_batch(batch, initial=initial)
+            self._mtimes.commit(batch)  # only now may later passes skip what it listed
+
         try:
-            # Spread: top directory i is visited about i/4096 of the interval in, ten steps a second.
-            tops_per_step = None if spread_over <= 0 else max(1, int(walker.tops_total * _PACE_S / spread_over))
-            while True:
-                if tops_per_step is not None:
-                    ahead = min(walker.tops_total, walker.tops_done + tops_per_step)
-                    due = started + spread_over * ahead / walker.tops_total
-                    await anyio.sleep(max(0.0, due - time.monotonic()))
-                batch = await self._pool.run(IOQueue.READ, walker.step, _SCAN_STEP_ENTRIES, tops_per_step)
-                cpu += batch.cpu_s + await self._apply_batch(batch, initial=initial)
-                self._mtimes.commit(batch)  # only now may later passes skip what it listed
-                if batch.done:
-                    break
+            root = await self._pool.run(IOQueue.READ, list_root, self._dir_fd, tmp_grace_s)
+            plan = PassPlan(root, self._mtimes, tmp_grace_s=tmp_grace_s, tops_per_request=_TOPS_PER_REQUEST,
+                            budget=_SCAN_STEP_ENTRIES)
+            await apply(plan.first_batch())
+            count = len(plan)
+
+            def due(i: int) -> float:  # request i is sent about i/count of the interval in
+                return started + spread_over * i / count
+
+            paced = due if spread_over > 0 else None
+            if len(root.tops) > _IN_THREAD_TOPS and not self._walk_in_thread:
+                try:
+                    await self._workers.walk(self._dir_fd, plan, due=paced, apply=apply)
+                    count = 0
+                except ScanWorkerStartError as exc:
+                    logger.warning("tier %s: cannot start scan worker processes (%s); walking %s on a thread "
+                                   "(the event loop shares the interpreter with it)", self.label, exc,
+                                   self.namespace.blocks_dir)
+                    self._walk_in_thread = True
+            for i in range(count):  # a small tree, or no workers (a tree walked twice is still right)
+                if paced is not None:
+                    await anyio.sleep(max(0.0, paced(i) - time.monotonic()))
+                for batch in await self._pool.run(IOQueue.READ, _walk, self._dir_fd, plan.request(i),
+                                                  self._stop_scans):
+                    await apply(batch)
         finally:
             self._passes.remove(started)
         self._scan_passes.inc()
@@ -630,7 +672,7 @@ class FileSystemTier(SecondaryTier):
         if not on_disk:
             return
         if initial:
-            index.add_cold((key, size, mtime, "") for key, (size, mtime) in on_disk.items())
+            index.add_cold((key, size, mtime) for key, (size, mtime) in on_disk.items())
         else:
             for key, (size, mtime) in sorted(on_disk.items(), key=lambda item: item[1][1]):
                 index.add(key, size, mtime)
@@ -871,6 +913,11 @@ class FileSystemTier(SecondaryTier):
 
 _unbounded_dirs: set[str] = set()
 _unbounded_dirs_lock = threading.Lock()  # engines may open tiers from several threads
+
+
+def _walk(dir_fd: int, request: WalkRequest, stop: threading.Event) -> list[ScanBatch]:
+    """One walk request on a pool thread (small trees; see ``_IN_THREAD_TOPS``)."""
+    return list(walk_tops(dir_fd, request, stop=stop))
 
 
 def _first_unbounded_open(blocks_dir: str) -> bool:

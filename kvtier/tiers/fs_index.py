@@ -31,11 +31,10 @@ from array import array
 from collections.abc import Iterable, Iterator
 
 from kvtier.tiers.base import TierIOError
+from kvtier.tiers.fs_scan import MAX_KEY_BYTES
 
 __all__ = ["ChunkIndex", "MAX_KEY_BYTES", "leaf_of"]
 
-#: Longest offload key the index stores: a SHA-256 block hash plus the 4-byte group index.
-MAX_KEY_BYTES = 36
 _EMPTY = -1
 _HOT = 0  # slot 0: the hot list's sentinel
 _BUCKETS = 256  # cold buckets, slots 1.._BUCKETS: bucket b holds ages in [2^(b/8), 2^((b+1)/8)) seconds
@@ -162,8 +161,8 @@ class ChunkIndex:
         self._seen[slot] = time.monotonic()
         self._push_hot(slot)
 
-    def add_cold(self, chunks: Iterable[tuple[bytes, int, float, str]]) -> None:
-        """Add chunks an initial scan found, ``(key, size, mtime, name)``, as cold: older than
+    def add_cold(self, chunks: Iterable[tuple[bytes, int, float]]) -> None:
+        """Add chunks an initial scan found, ``(key, size, mtime)``, as cold: older than
         anything used since, evicted oldest first (by bucket of age). Known keys are kept as they
         are. (The start-up scan's hot path: one probe of the table per chunk.)"""
         now, epoch = time.monotonic(), self._epoch

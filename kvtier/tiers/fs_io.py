@@ -13,8 +13,8 @@ it surfaces as :class:`~kvtier.tiers.fs_beneath.UnsafeEntry` (reads: the ``not_r
 Atomic publication (:func:`write_chunk`): bytes go to a unique temporary name *in the destination
 directory* (``<name>_<random 63-bit int>.tmp``, opened ``O_EXCL``) and are renamed over the final
 name, so a reader sees either no file or a complete one; a failed write removes its temporary file,
-and a crash leaves at most a stray ``.tmp`` file, which :class:`kvtier.tiers.fs_scan.TreeWalker` removes once it is older
-than a grace period. No ``fsync``: chunks are a cache, losing the last ones on power failure only
+and a crash leaves at most a stray ``.tmp`` file, which the fs tier's scan
+(:func:`kvtier.tiers.fs_scan.walk_tops`) removes once it is older than a grace period. No ``fsync``: chunks are a cache, losing the last ones on power failure only
 costs a recompute, and the trailer check catches torn pages.
 """
 
@@ -38,6 +38,7 @@ import anyio.lowlevel
 
 from kvtier.tiers import fs_beneath
 from kvtier.tiers.fs_beneath import UnsafeEntry
+from kvtier.tiers.fs_scan import PROBE_PREFIX
 from kvtier.tiers.integrity import (
     TRAILER_PAGE,
     SizeClass,
@@ -67,8 +68,6 @@ T = TypeVar("T")
 TMP_SUFFIX = ".tmp"
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _O_NOATIME: int = getattr(os, "O_NOATIME", 0)
-#: Name prefix of the hidden O_DIRECT probe file (``<prefix>_<random int>`` in the block tree).
-PROBE_PREFIX = ".kvtier_odirect_probe"
 
 # ------------------------------------------------------------------------------------------------
 # Raw primitives

@@ -2,37 +2,57 @@
 tier's scans and of ``kvtier inspect``/``kvtier gc``.
 
 Nothing is followed: every directory is opened ``O_NOFOLLOW`` beneath its parent's descriptor, so
-a listing never leaves the tree. Functions here only list and classify; the callers decide what to
-remove.
+a listing never leaves the tree. Functions here only list and classify (the tier's walk also
+removes stale temporaries and links under layout names: its own tree is its to clean).
 
 At 10^6 chunk files a tree has ~650,000 leaf directories (``<hhh>/<hh>_g<group>``; up to 2^20 per
-group). The fs tier's periodic re-sync therefore costs what changed, not what exists:
-:class:`TreeWalker` stats each leaf directory and lists only those whose mtime differs from the
-one recorded when it was last listed (adding or removing a file changes its directory's mtime);
-a listing's mtime is recorded only once the caller applied it (:meth:`LeafMtimes.commit`).
-A leaf whose mtime is too recent to be trusted (a change within the same timestamp tick would
-not show) is not recorded, so the next pass lists it again.
+group). The fs tier's periodic re-sync therefore costs what changed, not what exists: each leaf
+directory is ``stat``ed and only those whose mtime differs from the one recorded when last listed
+are listed (adding or removing a file changes its directory's mtime). A listing's mtime is
+recorded only once the caller applied it (:meth:`LeafMtimes.commit`); a leaf whose mtime is too
+recent to be trusted (a change within the same timestamp tick would not show) is not recorded, so
+the next pass lists it again.
+
+A pass is :func:`list_root` (names only), then :class:`WalkRequest` s of a few top directories
+each, answered by :func:`walk_tops` with :class:`ScanBatch` es. Requests and batches are msgspec
+structs so that a scan worker process (:func:`worker_main`, driven by
+:mod:`kvtier.tiers.fs_scan_workers`) can walk a big tree off the event loop's interpreter. This
+module imports nothing of kvtier's: a worker starts in ~0.1 s.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import re
+import signal
 import stat
+import struct
+import sys
 import threading
 import time
 from array import array
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Annotated
 
-from kvtier.tiers.fs_index import MAX_KEY_BYTES
-from kvtier.tiers.fs_io import PROBE_PREFIX
+import msgspec
 
 __all__ = [
-    "DIR1", "DIR2", "TMP", "PROBE_NAME", "DIR_FLAGS",
-    "Leaf", "LeafListing", "TopListing", "ScanBatch", "ScanStopped", "LeafMtimes", "TreeWalker",
-    "open_dir", "scandir", "list_leaf", "chunk_key",
+    "MAX_KEY_BYTES", "PROBE_PREFIX", "TOPS", "DIR1", "DIR2", "TMP", "PROBE_NAME", "DIR_FLAGS",
+    "Leaf", "RootListing", "WalkRequest", "LeafListing", "TopListing", "ScanBatch", "ScanStopped",
+    "LeafMtimes", "PassPlan", "open_dir", "scandir", "list_leaf", "list_root", "walk_tops", "walk_tree",
+    "chunk_key", "worker_main", "FRAME_HEADER", "BATCH_HEADER",
 ]
+
+#: Longest offload key a chunk file name may give: a SHA-256 block hash plus the 4-byte group
+#: index (what the fs tier's index stores).
+MAX_KEY_BYTES = 36
+#: Name prefix of the hidden O_DIRECT probe file (``<prefix>_<random int>`` in the block tree).
+PROBE_PREFIX = ".kvtier_odirect_probe"
+TOPS = 4096  # top-level shard directories <hhh>
+_LEAVES_PER_TOP = 256  # second-level shard directories <hh>_g<group>, per group
 
 DIR1 = re.compile(r"[0-9a-f]{3}")
 DIR2 = re.compile(r"([0-9a-f]{2})_g(0|[1-9][0-9]{0,9})")
@@ -44,8 +64,6 @@ DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW | os.O_C
 #: timestamps are coarse (and on NFS set by another clock), so a change right after the listing
 #: might not move it.
 RACY_MTIME_S = 2.0
-_BREATHER_S = 50e-6  # a pause in the walker's thread ...
-_BREATHE_EVERY_S = 1e-3  # ... after this much work
 
 
 class ScanStopped(Exception):
@@ -94,7 +112,8 @@ def scandir(fd: int) -> list[os.DirEntry[str]]:
 def chunk_key(name: str, top: str, leaf_hex: str, group: int | bytes) -> bytes | None:
     """The offload key of chunk file ``name`` in leaf ``<top>/<leaf_hex>_g<group>`` (``group`` may
     be given as its 4 key bytes); None when the name is not a chunk of that directory (the same
-    rule as :meth:`kvtier.layout.Namespace.key_from_relpath`, without rebuilding the path)."""
+    rule as :meth:`kvtier.layout.Namespace.key_from_relpath`, without rebuilding the path). The
+    name is ``key[:-4].hex() + ".bin"``."""
     match = _CHUNK.fullmatch(name)
     if match is None:
         return None
@@ -108,7 +127,7 @@ def chunk_key(name: str, top: str, leaf_hex: str, group: int | bytes) -> bytes |
 class Leaf:
     """One leaf directory's entries, classified (nothing removed)."""
 
-    chunks: list[tuple[bytes, int, float, str]] = field(default_factory=list)  # key, size, mtime, name
+    chunks: list[tuple[bytes, int, float]] = field(default_factory=list)  # key, size, mtime
     tmp: list[tuple[str, os.stat_result]] = field(default_factory=list)
     unsafe: list[tuple[str, os.stat_result]] = field(default_factory=list)  # links, special files
     stray: list[tuple[str, os.stat_result]] = field(default_factory=list)  # other names
@@ -128,7 +147,7 @@ def list_leaf(leaf_fd: int, top: str, leaf_hex: str, group: int) -> Leaf:
         key = chunk_key(name, top, leaf_hex, group_bytes)
         if key is not None:
             if stat.S_ISREG(st.st_mode):
-                chunks.append((key, st.st_size, st.st_mtime, name))
+                chunks.append((key, st.st_size, st.st_mtime))
             else:
                 out.unsafe.append((name, st))
         elif TMP.fullmatch(name) and not stat.S_ISDIR(st.st_mode):
@@ -139,208 +158,162 @@ def list_leaf(leaf_fd: int, top: str, leaf_hex: str, group: int) -> Leaf:
 
 
 # ------------------------------------------------------------------------------------------------
-# The fs tier's walker
+# What a pass asks and what it gets back (msgspec structs: they cross a pipe from a worker)
 # ------------------------------------------------------------------------------------------------
 
+_Group = Annotated[int, msgspec.Meta(ge=0, lt=1 << 32)]
+_Top = Annotated[int, msgspec.Meta(ge=0, lt=TOPS)]
+_LeafNo = Annotated[int, msgspec.Meta(ge=0, lt=1 << 20)]
+_GroupLeaf = Annotated[int, msgspec.Meta(ge=0, lt=1 << 52)]
+_Key = Annotated[bytes, msgspec.Meta(min_length=5, max_length=MAX_KEY_BYTES)]
+_Count = Annotated[int, msgspec.Meta(ge=0)]
 
-@dataclass(slots=True)
-class LeafListing:
+
+class WalkRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """Walk these top directories (each whole), in batches of about ``budget`` entries."""
+
+    id: int
+    tops: list[tuple[_Top, int]]  # (top, its mtime (ns) when last listed and applied; 0: unknown)
+    #: Per group: the recorded mtime (ns) of each of the 256 leaves of each top above, in order.
+    leaf_mtimes: dict[_Group, bytes]
+    tmp_grace_s: float | None  # stale temporaries older than this are removed; None keeps them
+    budget: _Count
+
+
+class LeafListing(msgspec.Struct, array_like=True):
     """The chunk files one leaf directory held when it was listed."""
 
-    group: int
-    leaf: int  # the first 20 bits of the hash: top << 8 | second-level shard
+    group: _Group
+    leaf: _LeafNo  # the first 20 bits of the hash: top << 8 | second-level shard
     listed_at: float  # monotonic, taken before the listing started
-    chunks: list[tuple[bytes, int, float, str]]  # key, size, mtime, file name
+    chunks: list[tuple[_Key, _Count, float]]  # key, size, mtime
     mtime_ns: int = 0  # the directory's mtime, stat'ed before the listing (0: not to be trusted)
 
 
-@dataclass(slots=True)
-class TopListing:
+class TopListing(msgspec.Struct, array_like=True):
     """Which leaf directories one top-level directory held (``group << 20 | leaf`` each); ``present``
     None: it is gone. A pass reports a top directory only when its mtime moved (or it is gone)."""
 
-    top: int
+    top: _Top
     listed_at: float
-    present: frozenset[int] | None
-    mtime_ns: int = 0  # its mtime when the root was listed (0: gone, or not to be trusted)
+    present: frozenset[_GroupLeaf] | None
+    mtime_ns: int = 0  # its mtime before it was listed (0: gone, or not to be trusted)
+
+
+class ScanBatch(msgspec.Struct, array_like=True):
+    request: int = 0  # the WalkRequest's id
+    leaves: list[LeafListing] = []
+    tops: list[TopListing] = []
+    removed_tmp: _Count = 0
+    kept_tmp: _Count = 0
+    removed_unsafe: _Count = 0
+    leaves_checked: _Count = 0
+    leaves_listed: _Count = 0
+    files: _Count = 0
+    cpu_s: float = 0.0  # CPU time the walk took for this batch
+    end: bool = False  # the last batch of its request
+    error: str = ""  # the request failed (an OSError): what the walker saw
+    errno: int = 0
 
 
 @dataclass(slots=True)
-class ScanBatch:
-    leaves: list[LeafListing] = field(default_factory=list)
-    tops: list[TopListing] = field(default_factory=list)
+class RootListing:
+    """The top directories a tree holds (by name: a link under a top name is found by the walk),
+    and the stale probe files removed."""
+
+    tops: list[int]
+    listed_at: float
     removed_tmp: int = 0
     kept_tmp: int = 0
-    removed_unsafe: int = 0
-    leaves_checked: int = 0
-    leaves_listed: int = 0
-    files: int = 0
-    cpu_s: float = 0.0  # CPU time of the step's thread
-    done: bool = False
 
 
-class LeafMtimes:
-    """The mtime (ns) each shard directory had when last listed *and applied*; 0 = unknown. Leaves
-    are keyed ``group << 20 | leaf``, top directories by their 12 bits (a top's mtime moves when a
-    leaf directory is created or removed in it).
-
-    A walker only reads these. The caller records a batch with :meth:`commit` once it made its
-    index agree with it: a batch that is lost (a step that raised, a pass cancelled or failed
-    before its batch was applied) leaves its directories to be listed again by the next pass,
-    never recorded as seen. :meth:`invalidate` (any thread) makes passes list a leaf again until
-    a listing that started after the invalidation is committed.
-    """
-
-    def __init__(self) -> None:
-        self._leaves: dict[int, array[int]] = {}
-        self.tops = array("q", bytes(8 * 4096))
-        self._dirty: dict[int, float] = {}  # group << 20 | leaf -> when invalidated (monotonic)
-        self._lock = threading.Lock()  # the walker's threads, the pool's and the loop's
-
-    def group(self, group: int) -> array[int]:
-        """The leaf mtimes of one group (allocated on first use: 8 MiB)."""
-        arr = self._leaves.get(group)
-        if arr is None:
-            with self._lock:
-                arr = self._leaves.get(group)
-                if arr is None:
-                    arr = self._leaves[group] = array("q", bytes(8 << 20))
-        return arr
-
-    def get(self, group: int, leaf: int) -> int:
-        arr = self._leaves.get(group)
-        return 0 if arr is None else arr[leaf]
-
-    def invalidate(self, group: int, leaf: int) -> None:
-        with self._lock:
-            self._dirty[group << 20 | leaf] = time.monotonic()
-
-    def has_dirty(self) -> bool:
-        return bool(self._dirty)
-
-    def is_dirty(self, group_leaf: int) -> bool:
-        """Whether leaf ``group << 20 | leaf`` was invalidated and not listed (and committed) since."""
-        return group_leaf in self._dirty
-
-    def commit(self, batch: ScanBatch) -> None:
-        """Record the mtimes ``batch``'s directories had when listed: the caller applied it.
-        Cheap (no work per chunk): run it on the event loop after each batch."""
-        dirty, lock = self._dirty, self._lock
-        for listing in batch.leaves:
-            self.group(listing.group)[listing.leaf] = listing.mtime_ns
-            if dirty:
-                group_leaf = listing.group << 20 | listing.leaf
-                with lock:
-                    at = dirty.get(group_leaf)
-                    if at is not None and at <= listing.listed_at:
-                        del dirty[group_leaf]
-        tops = self.tops
-        for top in batch.tops:
-            tops[top.top] = top.mtime_ns
-
-    def nbytes(self) -> int:
-        arrays = tuple(self._leaves.values())  # one C-level copy: a walker may add a group meanwhile
-        return sum(len(a) * a.itemsize for a in arrays) + len(self.tops) * self.tops.itemsize
-
-
-class TreeWalker:
-    """One pass over a block tree, in steps that each run on a worker thread.
-
-    Each :meth:`step` lists top-level directories (whole) until about ``budget`` entries were
-    handled and returns what changed since ``mtimes`` was recorded (every leaf, on a first pass);
-    it records nothing itself: the caller commits each batch to ``mtimes`` once applied.
-    Stale temporary and probe files (older than ``tmp_grace_s``; None keeps them) and links or
-    special files under layout names are removed and counted: the tier's own tree is its to
-    clean. Raises :class:`ScanStopped` at the next directory once ``stop`` is set.
-    """
-
-    def __init__(self, dir_fd: int, mtimes: LeafMtimes, *, tmp_grace_s: float | None,
-                 stop: threading.Event | None = None) -> None:
-        self._fd = dir_fd
-        self._mtimes = mtimes
-        self._grace = tmp_grace_s
-        self._stop = stop
-        self._tops: list[int] | None = None  # 0..4095, listed first
-        self._present_tops: set[int] = set()
-        # Top directories whose mtime moved since last recorded -> the mtime to record once reported.
-        self._changed: dict[int, int] = {}
-        self._root_listed_at = 0.0
-        self._breathe_at = 0.0
-        self._pos = 0
-        self.tops_total = 4096
-
-    @property
-    def tops_done(self) -> int:
-        return self._pos
-
-    def step(self, budget: int, max_tops: int | None = None) -> ScanBatch:
-        """List top directories (each whole) until about ``budget`` entries were handled or
-        ``max_tops`` top directories were visited."""
-        out = ScanBatch()
-        cpu = time.thread_time()
+def list_root(dir_fd: int, tmp_grace_s: float | None) -> RootListing:
+    """List the tree's root: top directory names (no ``stat`` each: 4096 of them on a big tree)
+    and stale probe files, removed when older than ``tmp_grace_s`` (None keeps them)."""
+    listed_at = time.monotonic()
+    # A descriptor of our own for the listing: the tree's is shared with other users.
+    own = os.open(".", DIR_FLAGS, dir_fd=dir_fd)
+    out = RootListing([], listed_at)
+    try:
         now = time.time()
-        if self._tops is None:
-            self._tops = list(range(4096))
-            self._root_listed_at = time.monotonic()
-            self._present_tops = self._list_root(out, now)
-        tops, handled = self._tops, 0
-        end = len(tops) if max_tops is None else min(len(tops), self._pos + max_tops)
-        while self._pos < end and handled < budget:
-            if self._stop is not None and self._stop.is_set():
-                raise ScanStopped("scan stopped")
-            top = tops[self._pos]
-            self._pos += 1
-            if top not in self._present_tops:  # as of the root's listing
-                out.tops.append(TopListing(top, self._root_listed_at, None))
-                continue
-            handled += 1 + self._walk_top(top, time.monotonic(), out, now)
-        out.done = self._pos == len(tops)
-        out.cpu_s = time.thread_time() - cpu
-        return out
+        for name in os.listdir(own):
+            if DIR1.fullmatch(name):
+                out.tops.append(int(name, 16))
+            elif PROBE_NAME.fullmatch(name):
+                try:
+                    st = os.stat(name, dir_fd=own, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if tmp_grace_s is not None and now - st.st_mtime > tmp_grace_s and not stat.S_ISDIR(st.st_mode):
+                    out.removed_tmp += _unlink_quietly(name, own)
+                else:
+                    out.kept_tmp += 1
+    finally:
+        os.close(own)
+    out.tops.sort()
+    return out
 
-    def _list_root(self, out: ScanBatch, now: float) -> set[int]:
-        """The top directories present; those whose mtime moved since recorded go to ``_changed``."""
-        present: set[int] = set()
-        tops, racy_ns = self._mtimes.tops, int((now - RACY_MTIME_S) * 1e9)
-        # A descriptor of our own for the listing: the tree's is shared with other users.
-        own = os.open(".", DIR_FLAGS, dir_fd=self._fd)
-        try:
-            for entry in scandir(own):
-                name = entry.name
-                if DIR1.fullmatch(name):
-                    st = self._dir_stat_or_remove(entry, own, out)
-                    if st is None:
-                        continue
-                    top = int(name, 16)
-                    present.add(top)
-                    mtime_ns = st.st_mtime_ns
-                    if not tops[top] or mtime_ns != tops[top]:  # recorded by LeafMtimes.commit
-                        self._changed[top] = mtime_ns if mtime_ns < racy_ns else 0
-                elif PROBE_NAME.fullmatch(name):
-                    self._remove_if_stale(entry, own, now, out)
-        finally:
-            os.close(own)
-        for top in range(4096):
-            if top not in present:
-                tops[top] = 0  # forgetting is always safe: a reappearing top is reported
-        return present
 
-    def _walk_top(self, top: int, listed_at: float, out: ScanBatch, now: float) -> int:
-        """Stat every leaf directory of one top directory; list those whose mtime moved."""
+# ------------------------------------------------------------------------------------------------
+# The walk
+# ------------------------------------------------------------------------------------------------
+
+
+def walk_tops(dir_fd: int, request: WalkRequest, *, clock: Callable[[], float] = time.thread_time,
+              stop: threading.Event | None = None) -> Iterator[ScanBatch]:
+    """Answer ``request``: stat every leaf directory of its top directories, list those whose
+    mtime differs from the one recorded, report top directories whose own mtime moved (a leaf
+    directory was created or removed) or that are gone. Batches of about ``request.budget``
+    entries (a top directory is never split); the last one has ``end`` set. ``clock`` measures
+    the CPU taken. Raises :class:`ScanStopped` at the next top directory once ``stop`` is set."""
+    now = time.time()
+    racy_ns = int((now - RACY_MTIME_S) * 1e9)
+    recorded: dict[int, array[int]] = {}
+    for group, blob in request.leaf_mtimes.items():
+        arr = recorded[group] = array("q")
+        arr.frombytes(blob)
+        if len(arr) != _LEAVES_PER_TOP * len(request.tops):
+            raise ValueError(f"leaf_mtimes[{group}] holds {len(arr)} mtimes for {len(request.tops)} top directories")
+    walker = _TopWalker(dir_fd, recorded, racy_ns, now, request.tmp_grace_s)
+    out, handled, cpu = ScanBatch(request.id), 0, clock()
+    last = len(request.tops) - 1
+    for i, (top, top_mtime) in enumerate(request.tops):
+        if stop is not None and stop.is_set():
+            raise ScanStopped("scan stopped")
+        handled += walker.walk(top, top_mtime, i * _LEAVES_PER_TOP, out)
+        if handled >= request.budget and i < last:
+            out.cpu_s, cpu = clock() - cpu, clock()
+            yield out
+            out, handled = ScanBatch(request.id), 0
+    out.end = True
+    out.cpu_s = clock() - cpu
+    yield out
+
+
+class _TopWalker:
+    """The per-directory work of :func:`walk_tops`."""
+
+    __slots__ = ("_fd", "_recorded", "_racy_ns", "_now", "_grace")
+
+    def __init__(self, dir_fd: int, recorded: dict[int, array[int]], racy_ns: int, now: float,
+                 tmp_grace_s: float | None) -> None:
+        self._fd, self._recorded, self._racy_ns, self._now, self._grace = dir_fd, recorded, racy_ns, now, tmp_grace_s
+
+    def walk(self, top: int, top_mtime: int, base: int, out: ScanBatch) -> int:
+        """One top directory; the entries handled. ``base``: where its leaves' recorded mtimes
+        start in the request's arrays."""
         top_name = f"{top:03x}"
+        listed_at = time.monotonic()
         top_fd = open_dir(self._fd, top_name)
-        if top_fd is None:  # gone meanwhile, or replaced by a link (removed by the next pass)
+        if top_fd is None:  # gone meanwhile, or a link or file under its name (removed)
+            out.removed_unsafe += _remove_non_directory(self._fd, top_name)
             out.tops.append(TopListing(top, listed_at, None))
             return 0
         handled = 0
-        report = top in self._changed
-        present: set[int] = set()
-        mtimes = self._mtimes
-        racy_ns = int((now - RACY_MTIME_S) * 1e9)
-        group_arrays: dict[int, array[int]] = {}
-        base = top << 8
-        dirty = mtimes.has_dirty()
         try:
+            mtime_ns = os.fstat(top_fd).st_mtime_ns
+            present: set[int] | None = set() if not top_mtime or mtime_ns != top_mtime else None
+            recorded = self._recorded
             names = os.listdir(top_fd)
             for name in names:
                 parsed = _LEAF_NAMES.get(name) or _parse_leaf_name(name)
@@ -355,45 +328,36 @@ class TreeWalker:
                     out.removed_unsafe += _unlink_quietly(name, top_fd)
                     continue
                 low, group = parsed
-                leaf = base | low
-                group_leaf = group << 20 | leaf
-                if report:
-                    present.add(group_leaf)
-                arr = group_arrays.get(group)
-                if arr is None:
-                    arr = group_arrays[group] = mtimes.group(group)
-                if time.perf_counter() > self._breathe_at:
-                    # Let the event loop's thread take the interpreter lock: a thread that runs
-                    # Python between short system calls keeps winning it back, and a waiter only
-                    # forces the switch after sys.getswitchinterval() (5 ms). A sleep hands it over.
-                    time.sleep(_BREATHER_S)
-                    self._breathe_at = time.perf_counter() + _BREATHE_EVERY_S
-                mtime_ns = st.st_mtime_ns
-                recorded = arr[leaf]  # 0: never listed, or not to be trusted
-                if recorded and mtime_ns == recorded and not (dirty and mtimes.is_dirty(group_leaf)):
+                leaf = top << 8 | low
+                if present is not None:
+                    present.add(group << 20 | leaf)
+                arr = recorded.get(group)
+                seen = 0 if arr is None else arr[base + low]  # 0: never listed, or not to be trusted
+                leaf_mtime = st.st_mtime_ns
+                if seen and leaf_mtime == seen:
                     continue
-                trusted = mtime_ns if mtime_ns < racy_ns else 0  # recorded once the caller commits
-                handled += self._list(top_fd, top_name, name, name[:2], group, leaf, trusted, out, now)
+                trusted = leaf_mtime if leaf_mtime < self._racy_ns else 0  # recorded once the caller commits
+                handled += self._list(top_fd, top_name, name, group, leaf, trusted, out)
             out.leaves_checked += len(names)
         finally:
             os.close(top_fd)
-        if report:
-            out.tops.append(TopListing(top, listed_at, frozenset(present), self._changed[top]))
+        if present is not None:
+            out.tops.append(TopListing(top, listed_at, frozenset(present), mtime_ns if mtime_ns < self._racy_ns else 0))
         return handled
 
-    def _list(self, top_fd: int, top_name: str, name: str, leaf_hex: str, group: int, leaf: int,
-              mtime_ns: int, out: ScanBatch, now: float) -> int:
+    def _list(self, top_fd: int, top_name: str, name: str, group: int, leaf: int, mtime_ns: int,
+              out: ScanBatch) -> int:
         listed_at = time.monotonic()
         leaf_fd = open_dir(top_fd, name)
         if leaf_fd is None:
             out.leaves.append(LeafListing(group, leaf, listed_at, []))
             return 0
         try:
-            found = list_leaf(leaf_fd, top_name, leaf_hex, group)
+            found = list_leaf(leaf_fd, top_name, name[:2], group)
             for entry_name, _ in found.unsafe:
                 out.removed_unsafe += _unlink_quietly(entry_name, leaf_fd)  # a directory stays
             for entry_name, st in found.tmp:
-                if self._grace is not None and now - st.st_mtime > self._grace:
+                if self._grace is not None and self._now - st.st_mtime > self._grace:
                     out.removed_tmp += _unlink_quietly(entry_name, leaf_fd)
                 else:
                     out.kept_tmp += 1
@@ -404,26 +368,15 @@ class TreeWalker:
         out.files += len(found.chunks)
         return len(found.chunks) + len(found.tmp) + len(found.unsafe) + len(found.stray)
 
-    @staticmethod
-    def _dir_stat_or_remove(entry: os.DirEntry[str], dir_fd: int, out: ScanBatch) -> os.stat_result | None:
-        try:
-            st = entry.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            return None
-        if stat.S_ISDIR(st.st_mode):
-            return st
-        out.removed_unsafe += _unlink_quietly(entry.name, dir_fd)  # a link or file under a shard directory's name
-        return None
 
-    def _remove_if_stale(self, entry: os.DirEntry[str], dir_fd: int, now: float, out: ScanBatch) -> None:
-        try:
-            st = entry.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            return
-        if self._grace is not None and now - st.st_mtime > self._grace and not stat.S_ISDIR(st.st_mode):
-            out.removed_tmp += _unlink_quietly(entry.name, dir_fd)
-        else:
-            out.kept_tmp += 1
+def _remove_non_directory(dir_fd: int, name: str) -> bool:
+    """Remove ``name`` if it is there and not a directory (a link or file under a shard
+    directory's name); whether it was removed."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return not stat.S_ISDIR(st.st_mode) and _unlink_quietly(name, dir_fd)
 
 
 def _unlink_quietly(name: str, dir_fd: int) -> bool:
@@ -433,3 +386,195 @@ def _unlink_quietly(name: str, dir_fd: int) -> bool:
     except OSError:
         return False
     return True
+
+
+# ------------------------------------------------------------------------------------------------
+# What was seen: the records that let a re-sync skip unchanged directories
+# ------------------------------------------------------------------------------------------------
+
+
+class LeafMtimes:
+    """The mtime (ns) each shard directory had when last listed *and applied*; 0 = unknown. Leaves
+    are keyed ``group << 20 | leaf``, top directories by their 12 bits (a top's mtime moves when a
+    leaf directory is created or removed in it).
+
+    Requests carry these to the walker. The caller records a batch with :meth:`commit` once it
+    made its index agree with it: a batch that is lost (a walk that failed, a pass cancelled
+    before its batch was applied) leaves its directories to be listed again by the next pass,
+    never recorded as seen. :meth:`invalidate` makes passes list a leaf again until a listing that
+    started after the invalidation is committed. Loop thread only.
+    """
+
+    def __init__(self) -> None:
+        self._leaves: dict[int, array[int]] = {}
+        self.tops = array("q", bytes(8 * TOPS))
+        self._dirty: dict[int, float] = {}  # group << 20 | leaf -> when invalidated (monotonic)
+
+    def group(self, group: int) -> array[int]:
+        """The leaf mtimes of one group (allocated on first use: 8 MiB)."""
+        arr = self._leaves.get(group)
+        if arr is None:
+            arr = self._leaves[group] = array("q", bytes(8 << 20))
+        return arr
+
+    def get(self, group: int, leaf: int) -> int:
+        arr = self._leaves.get(group)
+        return 0 if arr is None else arr[leaf]
+
+    def invalidate(self, group: int, leaf: int) -> None:
+        self._dirty[group << 20 | leaf] = time.monotonic()
+        arr = self._leaves.get(group)
+        if arr is not None:
+            arr[leaf] = 0
+
+    def commit(self, batch: ScanBatch) -> None:
+        """Record the mtimes ``batch``'s directories had when listed: the caller applied it.
+        Cheap (no work per chunk): run it on the event loop after each batch."""
+        dirty = self._dirty
+        for listing in batch.leaves:
+            mtime_ns = listing.mtime_ns
+            if dirty:
+                group_leaf = listing.group << 20 | listing.leaf
+                at = dirty.get(group_leaf)
+                if at is not None:
+                    if at <= listing.listed_at:
+                        del dirty[group_leaf]
+                    else:  # invalidated after this listing began: it may predate the change
+                        mtime_ns = 0
+            self.group(listing.group)[listing.leaf] = mtime_ns
+        tops = self.tops
+        for top in batch.tops:
+            tops[top.top] = top.mtime_ns
+
+    def slices(self, tops: list[int]) -> dict[int, bytes]:
+        """Per group, the recorded mtimes of the leaves of ``tops`` (a request's ``leaf_mtimes``)."""
+        out = {}
+        for group, arr in self._leaves.items():
+            view = memoryview(arr)
+            out[group] = b"".join(view[t * _LEAVES_PER_TOP:(t + 1) * _LEAVES_PER_TOP] for t in tops)
+        return out
+
+    def nbytes(self) -> int:
+        return sum(len(a) * a.itemsize for a in self._leaves.values()) + len(self.tops) * self.tops.itemsize
+
+
+class PassPlan:
+    """One pass over a tree: the top directories :func:`list_root` found, cut into requests of
+    ``tops_per_request`` each (built when asked for, from the records as they are then)."""
+
+    def __init__(self, root: RootListing, mtimes: LeafMtimes, *, tmp_grace_s: float | None,
+                 tops_per_request: int, budget: int) -> None:
+        self.root = root
+        self._mtimes = mtimes
+        self._grace = tmp_grace_s
+        self._per = tops_per_request
+        self._budget = budget
+        present = set(root.tops)
+        #: Top directories gone (as of the root's listing): reported so their chunks are dropped.
+        self.gone = [TopListing(top, root.listed_at, None) for top in range(TOPS) if top not in present]
+
+    def __len__(self) -> int:
+        return -(-len(self.root.tops) // self._per)
+
+    def request(self, i: int) -> WalkRequest:
+        tops = self.root.tops[i * self._per:(i + 1) * self._per]
+        recorded = self._mtimes.tops
+        return WalkRequest(i, [(t, recorded[t]) for t in tops], self._mtimes.slices(tops), self._grace, self._budget)
+
+    def first_batch(self) -> ScanBatch:
+        """What the root listing itself found: gone top directories, stale probe files."""
+        return ScanBatch(-1, tops=self.gone, removed_tmp=self.root.removed_tmp, kept_tmp=self.root.kept_tmp,
+                         end=True)
+
+
+def walk_tree(dir_fd: int, mtimes: LeafMtimes, *, tmp_grace_s: float | None, budget: int = 2048,
+              tops_per_request: int = 8) -> Iterator[ScanBatch]:
+    """A whole pass in this thread (tests and small trees): the root, then every request."""
+    plan = PassPlan(list_root(dir_fd, tmp_grace_s), mtimes, tmp_grace_s=tmp_grace_s,
+                    tops_per_request=tops_per_request, budget=budget)
+    yield plan.first_batch()
+    for i in range(len(plan)):
+        yield from walk_tops(dir_fd, plan.request(i))
+
+
+# ------------------------------------------------------------------------------------------------
+# The scan worker process
+# ------------------------------------------------------------------------------------------------
+
+#: A request on a worker's stdin is this header (the payload's length) and a msgpack payload.
+FRAME_HEADER = struct.Struct(">I")
+#: A batch on its stdout: the payload's length and whether it ends its request (read undecoded).
+BATCH_HEADER = struct.Struct(">I?")
+_MAX_REQUEST_BYTES = 64 << 20
+
+
+def worker_main(argv: list[str]) -> None:
+    """A scan worker: ``argv`` = [tree descriptor, parent pid]. Reads :class:`WalkRequest` frames
+    on stdin, answers each with :class:`ScanBatch` frames on stdout (an OSError ends the request
+    with a batch saying so); exits at the end of stdin, or when its parent dies. Runs at the
+    lowest CPU priority (nice 19)."""
+    dir_fd, parent = int(argv[0]), int(argv[1])
+    _die_with_parent(parent)
+    # Background work: the engine's threads (its event loop above all) come first. Without this,
+    # two busy workers on two cores keep the loop's thread waiting for a core for tens of ms.
+    os.nice(19)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the parent's to handle
+    decoder = msgspec.msgpack.Decoder(WalkRequest)
+    encoder = msgspec.msgpack.Encoder()
+    stdin, stdout = os.fdopen(0, "rb", buffering=0), os.fdopen(1, "wb", buffering=0)
+
+    def send(batch: ScanBatch) -> None:
+        payload = encoder.encode(batch)
+        _write_all(stdout, BATCH_HEADER.pack(len(payload), batch.end) + payload)
+
+    mark = time.process_time()
+    while True:
+        header = _read_exactly(stdin, FRAME_HEADER.size)
+        if header is None:
+            return
+        (length,) = FRAME_HEADER.unpack(header)
+        if length > _MAX_REQUEST_BYTES:
+            raise ValueError(f"a scan request of {length} bytes")
+        payload = _read_exactly(stdin, length)
+        if payload is None:
+            return
+        request = decoder.decode(payload)
+        try:
+            for batch in walk_tops(dir_fd, request, clock=time.process_time):
+                # All the CPU this process took since the last batch (decoding, encoding, writing).
+                batch.cpu_s, mark = time.process_time() - mark, time.process_time()
+                send(batch)
+        except OSError as exc:
+            send(ScanBatch(request.id, end=True, error=str(exc), errno=exc.errno or 0))
+
+
+def _read_exactly(stream: object, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = stream.read(n - len(buf))  # type: ignore[attr-defined]
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def _write_all(stream: object, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[stream.write(view):]  # type: ignore[attr-defined]
+
+
+def _die_with_parent(parent: int) -> None:
+    """Be killed when the parent dies (Linux), so a crashed engine leaves no walker behind."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # it died before the request above took effect
+        os._exit(0)
+
+
+if __name__ == "__main__":  # pragma: no cover - the worker's entry point (see fs_scan_workers)
+    worker_main(sys.argv[1:])
