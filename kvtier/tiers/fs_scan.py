@@ -512,12 +512,10 @@ def worker_main(argv: list[str]) -> None:
     """A scan worker: ``argv`` = [tree descriptor, parent pid]. Reads :class:`WalkRequest` frames
     on stdin, answers each with :class:`ScanBatch` frames on stdout (an OSError ends the request
     with a batch saying so); exits at the end of stdin, or when its parent dies. Runs at the
-    lowest CPU priority (nice 19)."""
+    lowest CPU priority."""
     dir_fd, parent = int(argv[0]), int(argv[1])
     _die_with_parent(parent)
-    # Background work: the engine's threads (its event loop above all) come first. Without this,
-    # two busy workers on two cores keep the loop's thread waiting for a core for tens of ms.
-    os.nice(19)
+    _lowest_priority()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the parent's to handle
     decoder = msgspec.msgpack.Decoder(WalkRequest)
     encoder = msgspec.msgpack.Encoder()
@@ -562,6 +560,16 @@ def _write_all(stream: object, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[stream.write(view):]  # type: ignore[attr-defined]
+
+
+def _lowest_priority() -> None:
+    """Background work: the engine's threads (its event loop above all) come first. Without this,
+    two busy workers on two cores keep the loop's thread waiting for a core for tens of ms. Linux:
+    ``SCHED_IDLE`` (any other thread that wants the core preempts it at once); elsewhere nice 19."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined]
+    except (AttributeError, OSError):
+        os.nice(19)
 
 
 def _die_with_parent(parent: int) -> None:

@@ -19,6 +19,7 @@ of one thread's bare ``os.scandir`` + ``stat`` walk of the tree.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import subprocess
@@ -208,7 +209,8 @@ class ScanWorkers:
                         await out.send((worker, payload))
                     clean = True
                 except Exception as exc:
-                    await out.send(exc)
+                    with contextlib.suppress(anyio.BrokenResourceError):  # the pass already ended
+                        await out.send(exc)
                 finally:
                     if worker is not None:
                         await self._give_back(worker, clean)
