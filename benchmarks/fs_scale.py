@@ -223,7 +223,7 @@ def measure(root: Path, files: int, args: argparse.Namespace) -> dict[str, Any]:
                 out["rescan_cpu_s"] = cpu_now(tier) - cpu
                 record_stall(out, "rescan", ticker)
 
-                rng = random.Random(7)
+                rng = random.Random(time.time_ns())  # new names on every run of a kept tree
                 added, deleted = await anyio.to_thread.run_sync(change_tree, tree, args.changes, rng)
                 started, cpu = time.perf_counter(), cpu_now(tier)
                 await tier.rescan()
