@@ -41,8 +41,8 @@ Semantics callers rely on:
   directories whose mtime moved (:mod:`kvtier.tiers.fs_scan`); a rescan never drops a chunk this
   process confirmed after it started listing. Trees of more than a few hundred top directories
   are walked by up to two worker processes at the lowest CPU priority
-  (:mod:`kvtier.tiers.fs_scan_workers`): the event loop only applies what they found. The index (:mod:`kvtier.tiers.fs_index`) holds no
-  Python object per chunk. Several engines (or processes) sharing a tree each hold the cap for
+  (:mod:`kvtier.tiers.fs_scan_workers`): the event loop only applies what they found. The index
+  (:mod:`kvtier.tiers.fs_index`) holds no Python object per chunk. Several engines (or processes) sharing a tree each hold the cap for
   what they know of; together they converge at their rescans.
 * **Whole jobs per hand-off**: the tier implements the base's batch hooks
   (:meth:`FileSystemTier.write_many` / :meth:`FileSystemTier.read_many`): a job's chunks are
@@ -583,25 +583,26 @@ class FileSystemTier(SecondaryTier):
             await apply(plan.first_batch())
             count = len(plan)
 
-            def due(i: int) -> float:  # request i is sent about i/count of the interval in
-                return started + spread_over * i / count
+            def due(i: int) -> float:  # request i goes at the end of its share of the interval (not at
+                return started + spread_over * (i + 1) / count  # once: the tree was just walked)
 
             paced = due if spread_over > 0 else None
-            if len(root.tops) > _IN_THREAD_TOPS and not self._walk_in_thread:
+            in_thread = len(root.tops) <= _IN_THREAD_TOPS or self._walk_in_thread
+            if not in_thread:
                 try:
                     await self._workers.walk(self._dir_fd, plan, due=paced, apply=apply)
-                    count = 0
                 except ScanWorkerStartError as exc:
                     logger.warning("tier %s: cannot start scan worker processes (%s); walking %s on a thread "
                                    "(the event loop shares the interpreter with it)", self.label, exc,
                                    self.namespace.blocks_dir)
-                    self._walk_in_thread = True
-            for i in range(count):  # a small tree, or no workers (a tree walked twice is still right)
-                if paced is not None:
-                    await anyio.sleep(max(0.0, paced(i) - time.monotonic()))
-                for batch in await self._pool.run(IOQueue.READ, _walk, self._dir_fd, plan.request(i),
-                                                  self._stop_scans):
-                    await apply(batch)
+                    self._walk_in_thread = in_thread = True  # from the start: a tree walked twice is still right
+            if in_thread:
+                for i in range(count):
+                    if paced is not None:
+                        await anyio.sleep(max(0.0, paced(i) - time.monotonic()))
+                    for batch in await self._pool.run(IOQueue.READ, _walk, self._dir_fd, plan.request(i),
+                                                      self._stop_scans):
+                        await apply(batch)
         finally:
             self._passes.remove(started)
         self._scan_passes.inc()

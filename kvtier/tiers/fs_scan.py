@@ -417,10 +417,6 @@ class LeafMtimes:
             arr = self._leaves[group] = array("q", bytes(8 << 20))
         return arr
 
-    def get(self, group: int, leaf: int) -> int:
-        arr = self._leaves.get(group)
-        return 0 if arr is None else arr[leaf]
-
     def invalidate(self, group: int, leaf: int) -> None:
         self._dirty[group << 20 | leaf] = time.monotonic()
         arr = self._leaves.get(group)
