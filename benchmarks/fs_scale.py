@@ -16,13 +16,20 @@ holding no data blocks: little disk is used), then measures:
   tier's default of 30 s stretched so a re-sync costs ≤ 5% of a core): the interval it settles
   on, the process CPU over one interval of re-syncing at that pace, as a share of one core
   (target ≤ 5%), then the worst stall over the next interval;
+* **longest loop step**: the longest any step of the event loop held it (the loop thread's CPU
+  time per asyncio handle: kvtier's scanning, reconciling and evicting, and everything else),
+  per phase (target ≤ 5 ms), and how many steps held it longer;
 * **worst loop stall**: the longest a 1 ms ticker task on the event loop waited past its wake-up
-  time during each phase (target ≤ 5 ms), and how many wake-ups were more than 5 ms late; first
-  over 5 s with nothing running, the machine's own noise (a VM's host takes its cores away too).
-  The collector's heap is frozen after start-up (``gc.freeze()``), as vLLM's engine core does: a
-  full collection of a heap holding torch takes ~100 ms whoever triggers it;
+  time during each phase, and how many wake-ups were more than 5 ms late; first over 5 s with
+  nothing running, the machine's own noise (a VM's host takes its cores away too). It adds to
+  the steps above the time the kernel gave the loop's core to another task. The collector's heap
+  is frozen after start-up (``gc.freeze()``), as vLLM's engine core does: a full collection of a
+  heap holding torch takes ~100 ms whoever triggers it;
 * **index**: bytes per chunk (the chunk index plus the rescans' directory records; target ≤ 100),
-  lookup and evict-and-insert µs.
+  lookup and evict-and-insert µs;
+* **operator commands**: ``kvtier inspect`` and ``kvtier gc --dry-run`` (to half the bytes) of the
+  same tree, wall time and its ratio to a raw walk run just before them (target ≤ 1.5, as the
+  start-up scan).
 
     python benchmarks/fs_scale.py [--files 100000,1000000] [--dir DIR] [--changes 1000]
                                   [--interval SECONDS] [--no-periodic] [--json FILE]
@@ -31,6 +38,7 @@ holding no data blocks: little disk is used), then measures:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import os
@@ -159,10 +167,42 @@ class Ticker:
             self.late += stall > 0.005
 
 
+class Steps:
+    """Every step the event loop runs (an asyncio handle), timed by the loop thread's CPU clock:
+    the longest is how long any code held the loop. A ticker's lateness adds the time the kernel
+    gave the loop's core to other tasks (the workers, other processes, the VM's host). Wraps
+    asyncio's ``Handle._run`` (this benchmark runs on asyncio)."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self.over = 0  # steps that held the loop more than 5 ms
+        original = asyncio.events.Handle._run
+
+        def run(handle: asyncio.events.Handle) -> None:
+            started = time.thread_time()
+            original(handle)
+            held = time.thread_time() - started
+            self.longest = max(self.longest, held)
+            self.over += held > 0.005
+
+        asyncio.events.Handle._run = run  # type: ignore[method-assign]
+
+    def reset(self) -> tuple[float, int]:
+        out = self.longest, self.over
+        self.longest, self.over = 0.0, 0
+        return out
+
+
+STEPS = Steps()
+
+
 def record_stall(out: dict[str, Any], phase: str, ticker: Ticker) -> None:
     worst, late = ticker.reset()
     out[f"{phase}_stall_ms"] = worst * 1e3
     out[f"{phase}_late_wakeups"] = late
+    longest, over = STEPS.reset()
+    out[f"{phase}_step_ms"] = longest * 1e3
+    out[f"{phase}_steps_over_5ms"] = over
 
 
 def change_tree(tree: Path, changes: int, rng: random.Random) -> tuple[list[bytes], list[bytes]]:
@@ -202,6 +242,7 @@ def measure(root: Path, files: int, args: argparse.Namespace) -> dict[str, Any]:
             tg.start_soon(ticker.run)
             await anyio.sleep(0.05)
             ticker.reset()
+            STEPS.reset()
             await anyio.sleep(5.0)  # the machine's own noise: the same ticker, nothing else running
             record_stall(out, "idle", ticker)
             started, cpu = time.perf_counter(), cpu_now()
@@ -209,6 +250,7 @@ def measure(root: Path, files: int, args: argparse.Namespace) -> dict[str, Any]:
                 out["serve_s"] = time.perf_counter() - started
                 gc.freeze()  # start-up is over (see the module docstring)
                 ticker.reset()  # what opening an engine costs (imports, host memory) is not the scan's
+                STEPS.reset()
                 tier = fs_tier(engine)
                 await tier.wait_scanned()
                 out["startup_scan_s"] = time.perf_counter() - started
@@ -266,6 +308,7 @@ def measure(root: Path, files: int, args: argparse.Namespace) -> dict[str, Any]:
             await anyio.sleep(interval)
             out["periodic_cpu_share"] = (cpu_now(tier) - cpu) / interval
             ticker = Ticker()
+            STEPS.reset()
             async with anyio.create_task_group() as tg:
                 tg.start_soon(ticker.run)
                 await anyio.sleep(interval)
@@ -276,7 +319,31 @@ def measure(root: Path, files: int, args: argparse.Namespace) -> dict[str, Any]:
     if not args.no_periodic:
         anyio.run(periodic)
     out["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    operator_commands(root, tree, out)
     return out
+
+
+def operator_commands(root: Path, tree: Path, out: dict[str, Any]) -> None:
+    """``kvtier inspect`` and ``kvtier gc --dry-run`` (to half the bytes) of the same tree, as the
+    commands run them (their worker processes included), against a raw walk just before them (the
+    machine may have dropped the tree's metadata from memory since the first one)."""
+    from kvtier.ops.gc import gc_root
+    from kvtier.ops.inspect import inspect_root
+    from kvtier.ops.runs import open_root
+
+    _, out["ops_raw_walk_s"], _ = raw_walk(tree)
+    fd = open_root(str(root))
+    try:
+        started = time.perf_counter()
+        totals = inspect_root(fd, str(root))["totals"]
+        out["inspect_s"] = time.perf_counter() - started
+        out["inspect_files"] = totals["chunk_files"]
+        started = time.perf_counter()
+        collected = gc_root(fd, str(root), max_bytes=totals["chunk_bytes"] // 2, dry_run=True)
+        out["gc_dry_run_s"] = time.perf_counter() - started
+        out["gc_would_remove"] = len(collected["removed"])
+    finally:
+        os.close(fd)
 
 
 def main() -> None:
@@ -318,12 +385,24 @@ def main() -> None:
          lambda r: f"{r['startup_stall_ms']:.1f} / {r['rescan_stall_ms']:.1f} / {r['changed_stall_ms']:.1f}"),
         ("  wake-ups > 5 ms late: start-up / rescan / changed",
          lambda r: f"{r['startup_late_wakeups']} / {r['rescan_late_wakeups']} / {r['changed_late_wakeups']}"),
+        ("longest loop step, CPU held (ms): idle / start-up / rescan / changed",
+         lambda r: " / ".join(f"{r[f'{p}_step_ms']:.1f}" for p in ("idle", "startup", "rescan", "changed"))),
+        ("  steps holding the loop > 5 ms: start-up / rescan / changed",
+         lambda r: " / ".join(str(r[f"{p}_steps_over_5ms"]) for p in ("startup", "rescan", "changed"))),
+        ("longest loop step, periodic (ms, target <= 5)",
+         lambda r: "skipped" if "periodic_step_ms" not in r
+         else f"{r['periodic_step_ms']:.1f} ({r['periodic_steps_over_5ms']} over 5 ms)"),
         ("worst loop stall: periodic (ms, target <= 5)",
          lambda r: "skipped" if "periodic_stall_ms" not in r
          else f"{r['periodic_stall_ms']:.1f} ({r['periodic_late_wakeups']} late)"),
         ("index bytes per chunk (target <= 100)", lambda r: f"{r['index_bytes_per_chunk']:.0f}"),
         ("lookup / evict+insert (us)", lambda r: f"{r['lookup_us']:.2f} / {r['evict_insert_us']:.1f}"),
         ("peak RSS of the process (MiB)", lambda r: f"{r['peak_rss_mib']:.0f}"),
+        ("kvtier inspect: files / wall (s)", lambda r: f"{r['inspect_files']} / {r['inspect_s']:.2f}"),
+        ("raw walk again, before the commands (s)", lambda r: f"{r['ops_raw_walk_s']:.2f}"),
+        ("  inspect: ratio to that raw walk (target <= 1.5)", lambda r: f"{r['inspect_s'] / r['ops_raw_walk_s']:.2f}"),
+        ("kvtier gc --dry-run to half: files / wall (s)", lambda r: f"{r['gc_would_remove']} / {r['gc_dry_run_s']:.2f}"),
+        ("  gc: ratio to that raw walk (target <= 1.5)", lambda r: f"{r['gc_dry_run_s'] / r['ops_raw_walk_s']:.2f}"),
     ]
     width = max(len(name) for name, _ in rows)
     print()

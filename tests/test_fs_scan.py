@@ -44,7 +44,8 @@ def merged(batches: Iterable[ScanBatch], mtimes: LeafMtimes | None = None) -> Sc
             mtimes.commit(batch)
         total.leaves += batch.leaves
         total.tops += batch.tops
-        for name in ("removed_tmp", "kept_tmp", "removed_unsafe", "leaves_checked", "leaves_listed", "files"):
+        for name in ("removed_tmp", "kept_tmp", "removed_unsafe", "leaves_checked", "leaves_listed", "files",
+                     "unreadable"):
             setattr(total, name, getattr(total, name) + getattr(batch, name))
     return total
 
@@ -286,3 +287,47 @@ def test_a_directory_under_a_chunk_name_is_not_counted_as_removed(tmp_path: Path
     result = walk(tree)
     assert hexes(result) == ["aaa111"] and result.removed_unsafe == 0
     assert (tmp_path / "aaa" / "11_g0" / "aaa112.bin").is_dir()
+
+
+def deny(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
+    """Opening a directory of one of ``names`` fails with EACCES (as for another user's 0700
+    directory; tests run as root, which permissions do not stop)."""
+    real = fs_scan.open_dir
+
+    def open_dir(parent_fd: int, name: str) -> int | None:
+        if name in names:
+            raise PermissionError(errno.EACCES, "Permission denied", name)
+        return real(parent_fd, name)
+
+    monkeypatch.setattr(fs_scan, "open_dir", open_dir)
+
+
+def test_an_unreadable_directory_is_counted_and_skipped_not_fatal(tmp_path: Path, tree: int,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    for h in ("aaa111", "aaa222", "bbb333", "ccc444"):
+        chunk(tmp_path, h)
+    old = time.time() - 60  # mtimes old enough to be trusted (not "racy")
+    for d in [*tmp_path.glob("*/*_g0"), *tmp_path.glob("???")]:
+        os.utime(d, (old, old))
+    mtimes = LeafMtimes()
+    deny(monkeypatch, "22_g0", "bbb")  # a leaf directory of top aaa, and the whole top bbb
+    result = walk(tree, mtimes)
+    assert hexes(result) == ["aaa111", "ccc444"] and result.unreadable == 2
+    # The unreadable leaf is still present in its top directory (its chunks are not dropped), and
+    # the unreadable top directory is not reported at all (neither gone nor listed).
+    [aaa] = [t for t in result.tops if t.top == 0xAAA]
+    assert aaa.present == frozenset({0xAAA11, 0xAAA22})
+    assert 0xBBB not in {t.top for t in result.tops}
+    # Nothing of theirs was recorded: once readable, the next pass lists them.
+    monkeypatch.undo()
+    again = walk(tree, mtimes)
+    assert hexes(again) == ["aaa222", "bbb333"] and again.unreadable == 0
+
+
+def test_a_reporting_walk_fails_on_an_unreadable_directory(tmp_path: Path, tree: int,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    chunk(tmp_path, "aaa111")
+    deny(monkeypatch, "11_g0")
+    plan = PassPlan(list_root(tree, None), LeafMtimes(), tmp_grace_s=None, tops_per_request=8, budget=64, report=True)
+    with pytest.raises(PermissionError):
+        list(walk_tops(tree, plan.request(0)))

@@ -98,6 +98,43 @@ async def test_workers_find_what_a_walk_on_a_thread_finds(tmp_path: Path, tree: 
 
 
 @pytest.mark.anyio
+@pytest.mark.parametrize("turns", [True, False])
+async def test_workers_take_turns_with_the_loop(tmp_path: Path, tree: int, turns: bool) -> None:
+    """While a batch is being applied, no request goes out (the workers wait for the loop), unless
+    the caller asked for no turns (an operator command)."""
+    make_chunks(tmp_path, 60)
+    plan = PassPlan(list_root(tree, None), LeafMtimes(), tmp_grace_s=None, tops_per_request=1, budget=8)
+    requested: list[int] = []
+    build = plan.request
+
+    def request(i: int):  # type: ignore[no-untyped-def]
+        requested.append(i)
+        return build(i)
+
+    plan.request = request  # type: ignore[method-assign]
+    sent_while_applying = 0
+    applied: list[ScanBatch] = []
+
+    async def apply(batch: ScanBatch) -> None:
+        nonlocal sent_while_applying
+        before = len(requested)
+        await anyio.sleep(0.02)  # a loop busy applying, in slices
+        sent_while_applying += len(requested) - before
+        applied.append(batch)
+
+    workers = ScanWorkers(2)
+    try:
+        await workers.walk(tree, plan, due=None, apply=apply, turns=turns)
+    finally:
+        await workers.aclose()
+    assert sorted(requested) == list(range(len(plan))) and sum(b.end for b in applied) == len(plan)
+    if turns:
+        assert sent_while_applying == 0
+    else:
+        assert sent_while_applying > 0
+
+
+@pytest.mark.anyio
 async def test_a_worker_that_dies_fails_the_walk_and_is_replaced(tmp_path: Path, tree: int) -> None:
     make_chunks(tmp_path, 40)
     workers = ScanWorkers(1)

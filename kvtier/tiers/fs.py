@@ -111,8 +111,13 @@ EVICTION_POLICIES: tuple[str, ...] = ("lru",)
 _MAX_CONFIG_JSON_BYTES = 1 << 20
 #: Entries a scan batch holds (whole top directories: ~0.3 ms to decode, ~1 ms to apply).
 _SCAN_STEP_ENTRIES = 1024
-#: Top directories per walk request (~2000 entries on a tree of 10^6 chunk files).
-_TOPS_PER_REQUEST = 8
+#: Top directories per walk request (~240 entries each on a tree of 10^6 chunk files): a worker
+#: walks while the loop waits for its batch, not while the loop applies (see fs_scan_workers._Gate).
+_TOPS_PER_REQUEST = 1
+#: ... and per request of a paced re-sync, which applies little: each request wakes a worker and
+#: the loop, ~0.9 ms of CPU per request at one top each (a pass of 4096 requests cost twice an
+#: unpaced one).
+_TOPS_PER_PACED_REQUEST = 8
 #: Trees with more top directories than this are walked by worker processes
 #: (:mod:`kvtier.tiers.fs_scan_workers`), smaller ones on a pool thread (a few ms).
 _IN_THREAD_TOPS = 512
@@ -564,22 +569,24 @@ class FileSystemTier(SecondaryTier):
         With ``spread_over`` the walk is paced to take that many seconds (a periodic re-sync:
         every directory is visited once per interval, at a steady rate)."""
         cpu = 0.0
+        unreadable = 0
         started = time.monotonic()
         # Removal records older than every pass under way can mislead no listing to come.
         self._passes.append(started)
         self.index.forget_removals_before(self._passes[0])
 
         async def apply(batch: ScanBatch) -> None:
-            nonlocal cpu
+            nonlocal cpu, unreadable
             if self._stop_scans.is_set():
                 raise ScanStopped("scan stopped")
+            unreadable += batch.unreadable
             cpu += batch.cpu_s + await self._apply_batch(batch, initial=initial)
             self._mtimes.commit(batch)  # only now may later passes skip what it listed
 
         try:
             root = await self._pool.run(IOQueue.READ, list_root, self._dir_fd, tmp_grace_s)
-            plan = PassPlan(root, self._mtimes, tmp_grace_s=tmp_grace_s, tops_per_request=_TOPS_PER_REQUEST,
-                            budget=_SCAN_STEP_ENTRIES)
+            plan = PassPlan(root, self._mtimes, tmp_grace_s=tmp_grace_s, budget=_SCAN_STEP_ENTRIES,
+                            tops_per_request=_TOPS_PER_PACED_REQUEST if spread_over > 0 else _TOPS_PER_REQUEST)
             await apply(plan.first_batch())
             count = len(plan)
 
@@ -605,6 +612,10 @@ class FileSystemTier(SecondaryTier):
                         await apply(batch)
         finally:
             self._passes.remove(started)
+        if unreadable:
+            logger.warning("tier %s: %d directories under %s could not be read (permission denied); their "
+                           "chunks are kept as last seen, and the next re-sync tries them again", self.label,
+                           unreadable, self.namespace.blocks_dir)
         self._scan_passes.inc()
         self.index.complete = True  # the whole tree was seen once: usage is known
         await self._evict_over_capacity()

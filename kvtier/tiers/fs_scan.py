@@ -35,13 +35,13 @@ import time
 from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
 __all__ = [
     "MAX_KEY_BYTES", "PROBE_PREFIX", "TOPS", "DIR1", "DIR2", "TMP", "PROBE_NAME", "DIR_FLAGS",
-    "Leaf", "RootListing", "WalkRequest", "LeafListing", "TopListing", "ScanBatch", "ScanStopped",
+    "Leaf", "RootListing", "WalkRequest", "LeafListing", "TopListing", "Other", "ScanBatch", "ScanStopped",
     "LeafMtimes", "PassPlan", "open_dir", "scandir", "list_leaf", "list_root", "walk_tops", "walk_tree",
     "chunk_key", "worker_main", "FRAME_HEADER", "BATCH_HEADER",
 ]
@@ -170,7 +170,9 @@ _Count = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class WalkRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
-    """Walk these top directories (each whole), in batches of about ``budget`` entries."""
+    """Walk these top directories (each whole), in batches of about ``budget`` entries. With
+    ``report`` the walk removes nothing, reports every entry that is not a chunk file
+    (:attr:`ScanBatch.others`) and no :class:`TopListing`: the operator commands' listing."""
 
     id: int
     tops: list[tuple[_Top, int]]  # (top, its mtime (ns) when last listed and applied; 0: unknown)
@@ -178,6 +180,7 @@ class WalkRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     leaf_mtimes: dict[_Group, bytes]
     tmp_grace_s: float | None  # stale temporaries older than this are removed; None keeps them
     budget: _Count
+    report: bool = False
 
 
 class LeafListing(msgspec.Struct, array_like=True):
@@ -200,16 +203,33 @@ class TopListing(msgspec.Struct, array_like=True):
     mtime_ns: int = 0  # its mtime before it was listed (0: gone, or not to be trusted)
 
 
+_OtherKind = Literal["tmp", "unsafe", "stray"]
+
+
+class Other(msgspec.Struct, array_like=True):
+    """An entry that is not a chunk file, as a reporting walk finds it (nothing removed):
+    ``tmp`` (a temporary file), ``unsafe`` (a link, special file or directory where a chunk or a
+    shard directory belongs), ``stray`` (any other name)."""
+
+    kind: _OtherKind
+    relpath: Annotated[bytes, msgspec.Meta(max_length=1024)]  # relative to the tree (os.fsencode)
+    size: _Count
+    mtime: float
+    is_dir: bool
+
+
 class ScanBatch(msgspec.Struct, array_like=True):
     request: int = 0  # the WalkRequest's id
     leaves: list[LeafListing] = []
     tops: list[TopListing] = []
+    others: list[Other] = []  # a reporting walk's
     removed_tmp: _Count = 0
     kept_tmp: _Count = 0
     removed_unsafe: _Count = 0
     leaves_checked: _Count = 0
     leaves_listed: _Count = 0
     files: _Count = 0
+    unreadable: _Count = 0  # directories that could not be read (permission denied), skipped
     cpu_s: float = 0.0  # CPU time the walk took for this batch
     end: bool = False  # the last batch of its request
     error: str = ""  # the request failed (an OSError): what the walker saw
@@ -274,7 +294,7 @@ def walk_tops(dir_fd: int, request: WalkRequest, *, clock: Callable[[], float] =
         arr.frombytes(blob)
         if len(arr) != _LEAVES_PER_TOP * len(request.tops):
             raise ValueError(f"leaf_mtimes[{group}] holds {len(arr)} mtimes for {len(request.tops)} top directories")
-    walker = _TopWalker(dir_fd, recorded, racy_ns, now, request.tmp_grace_s)
+    walker = _TopWalker(dir_fd, recorded, racy_ns, now, request.tmp_grace_s, request.report)
     out, handled, cpu = ScanBatch(request.id), 0, clock()
     last = len(request.tops) - 1
     for i, (top, top_mtime) in enumerate(request.tops):
@@ -293,51 +313,99 @@ def walk_tops(dir_fd: int, request: WalkRequest, *, clock: Callable[[], float] =
 class _TopWalker:
     """The per-directory work of :func:`walk_tops`."""
 
-    __slots__ = ("_fd", "_recorded", "_racy_ns", "_now", "_grace")
+    __slots__ = ("_fd", "_recorded", "_racy_ns", "_now", "_grace", "_report")
 
     def __init__(self, dir_fd: int, recorded: dict[int, array[int]], racy_ns: int, now: float,
-                 tmp_grace_s: float | None) -> None:
+                 tmp_grace_s: float | None, report: bool) -> None:
         self._fd, self._recorded, self._racy_ns, self._now, self._grace = dir_fd, recorded, racy_ns, now, tmp_grace_s
+        self._report = report
+
+    def _unreadable(self, exc: PermissionError, out: ScanBatch) -> None:
+        """A directory that cannot be read: a reporting walk fails (an operator command says
+        so); the tier's walk counts it and goes on, so one bad directory does not fail every
+        pass (the caller logs the count; the next pass tries it again)."""
+        if self._report:
+            raise exc
+        out.unreadable += 1
+
+    def _not_a_directory(self, dir_fd: int, name: str, relpath: str, out: ScanBatch) -> None:
+        """``name`` could not be opened as a directory: gone, or a link or file under a shard
+        directory's name: removed, or reported."""
+        if not self._report:
+            out.removed_unsafe += _remove_non_directory(dir_fd, name)
+            return
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            out.others.append(_other("unsafe", relpath, st))
 
     def walk(self, top: int, top_mtime: int, base: int, out: ScanBatch) -> int:
         """One top directory; the entries handled. ``base``: where its leaves' recorded mtimes
-        start in the request's arrays."""
+        start in the request's arrays. One ``listed_at`` serves all its leaves: taken before any
+        of them is listed, it is only ever too early (the safe side: see :class:`LeafListing`)."""
         top_name = f"{top:03x}"
         listed_at = time.monotonic()
-        top_fd = open_dir(self._fd, top_name)
-        if top_fd is None:  # gone meanwhile, or a link or file under its name (removed)
-            out.removed_unsafe += _remove_non_directory(self._fd, top_name)
-            out.tops.append(TopListing(top, listed_at, None))
+        try:
+            top_fd = open_dir(self._fd, top_name)
+        except PermissionError as exc:
+            self._unreadable(exc, out)
+            return 0  # no listing: what the index holds of it stays
+        if top_fd is None:  # gone meanwhile, or a link or file under its name
+            self._not_a_directory(self._fd, top_name, top_name, out)
+            if not self._report:
+                out.tops.append(TopListing(top, listed_at, None))
             return 0
         handled = 0
         try:
             mtime_ns = os.fstat(top_fd).st_mtime_ns
-            present: set[int] | None = set() if not top_mtime or mtime_ns != top_mtime else None
+            moved = not top_mtime or mtime_ns != top_mtime
+            present: set[int] | None = set() if moved and not self._report else None
             recorded = self._recorded
             names = os.listdir(top_fd)
             for name in names:
                 parsed = _LEAF_NAMES.get(name) or _parse_leaf_name(name)
                 if parsed is None:
+                    if self._report:
+                        self._stray(top_fd, name, f"{top_name}/{name}", out)
                     continue
                 handled += 1
-                try:
-                    st = os.stat(name, dir_fd=top_fd, follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if not stat.S_ISDIR(st.st_mode):
-                    out.removed_unsafe += _unlink_quietly(name, top_fd)
-                    continue
                 low, group = parsed
                 leaf = top << 8 | low
-                if present is not None:
-                    present.add(group << 20 | leaf)
                 arr = recorded.get(group)
                 seen = 0 if arr is None else arr[base + low]  # 0: never listed, or not to be trusted
-                leaf_mtime = st.st_mtime_ns
-                if seen and leaf_mtime == seen:
+                if seen:  # a stat tells whether it changed; most have not
+                    try:
+                        st = os.stat(name, dir_fd=top_fd, follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    if stat.S_ISDIR(st.st_mode) and st.st_mtime_ns == seen:
+                        if present is not None:
+                            present.add(group << 20 | leaf)
+                        continue
+                # Unknown or changed: open it (without following a link) and stat what was opened.
+                try:
+                    leaf_fd = open_dir(top_fd, name)
+                except PermissionError as exc:  # there, but unreadable: its chunks stay as indexed
+                    self._unreadable(exc, out)
+                    if present is not None:
+                        present.add(group << 20 | leaf)
                     continue
-                trusted = leaf_mtime if leaf_mtime < self._racy_ns else 0  # recorded once the caller commits
-                handled += self._list(top_fd, top_name, name, group, leaf, trusted, out)
+                if leaf_fd is None:  # gone meanwhile, or a link or file under its name
+                    self._not_a_directory(top_fd, name, f"{top_name}/{name}", out)
+                    out.leaves.append(LeafListing(group, leaf, listed_at, []))  # holds no chunk
+                    continue
+                if present is not None:
+                    present.add(group << 20 | leaf)
+                try:
+                    leaf_mtime = os.fstat(leaf_fd).st_mtime_ns
+                    trusted = leaf_mtime if leaf_mtime < self._racy_ns else 0  # recorded once the caller commits
+                    handled += self._list(leaf_fd, top_name, name, group, leaf, listed_at, trusted, out)
+                except PermissionError as exc:  # its entries cannot be stat'ed
+                    self._unreadable(exc, out)
+                finally:
+                    os.close(leaf_fd)
             out.leaves_checked += len(names)
         finally:
             os.close(top_fd)
@@ -345,15 +413,15 @@ class _TopWalker:
             out.tops.append(TopListing(top, listed_at, frozenset(present), mtime_ns if mtime_ns < self._racy_ns else 0))
         return handled
 
-    def _list(self, top_fd: int, top_name: str, name: str, group: int, leaf: int, mtime_ns: int,
-              out: ScanBatch) -> int:
-        listed_at = time.monotonic()
-        leaf_fd = open_dir(top_fd, name)
-        if leaf_fd is None:
-            out.leaves.append(LeafListing(group, leaf, listed_at, []))
-            return 0
-        try:
-            found = list_leaf(leaf_fd, top_name, name[:2], group)
+    def _list(self, leaf_fd: int, top_name: str, name: str, group: int, leaf: int, listed_at: float,
+              mtime_ns: int, out: ScanBatch) -> int:
+        found = list_leaf(leaf_fd, top_name, name[:2], group)
+        if self._report:
+            kinds: tuple[tuple[_OtherKind, list[tuple[str, os.stat_result]]], ...] = (
+                ("unsafe", found.unsafe), ("tmp", found.tmp), ("stray", found.stray))
+            for kind, entries in kinds:
+                out.others += [_other(kind, f"{top_name}/{name}/{entry_name}", st) for entry_name, st in entries]
+        else:
             for entry_name, _ in found.unsafe:
                 out.removed_unsafe += _unlink_quietly(entry_name, leaf_fd)  # a directory stays
             for entry_name, st in found.tmp:
@@ -361,12 +429,23 @@ class _TopWalker:
                     out.removed_tmp += _unlink_quietly(entry_name, leaf_fd)
                 else:
                     out.kept_tmp += 1
-        finally:
-            os.close(leaf_fd)
         out.leaves.append(LeafListing(group, leaf, listed_at, found.chunks, mtime_ns))
         out.leaves_listed += 1
         out.files += len(found.chunks)
         return len(found.chunks) + len(found.tmp) + len(found.unsafe) + len(found.stray)
+
+
+    @staticmethod
+    def _stray(dir_fd: int, name: str, relpath: str, out: ScanBatch) -> None:
+        try:
+            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        out.others.append(_other("stray", relpath, st))
+
+
+def _other(kind: _OtherKind, relpath: str, st: os.stat_result) -> Other:
+    return Other(kind, os.fsencode(relpath), st.st_size, st.st_mtime, stat.S_ISDIR(st.st_mode))
 
 
 def _remove_non_directory(dir_fd: int, name: str) -> bool:
@@ -456,11 +535,13 @@ class LeafMtimes:
 
 class PassPlan:
     """One pass over a tree: the top directories :func:`list_root` found, cut into requests of
-    ``tops_per_request`` each (built when asked for, from the records as they are then)."""
+    ``tops_per_request`` each (built when asked for, from the records as they are then); with
+    ``report``, requests that remove nothing and report what is not a chunk file."""
 
     def __init__(self, root: RootListing, mtimes: LeafMtimes, *, tmp_grace_s: float | None,
-                 tops_per_request: int, budget: int) -> None:
+                 tops_per_request: int, budget: int, report: bool = False) -> None:
         self.root = root
+        self._report = report
         self._mtimes = mtimes
         self._grace = tmp_grace_s
         self._per = tops_per_request
@@ -475,7 +556,8 @@ class PassPlan:
     def request(self, i: int) -> WalkRequest:
         tops = self.root.tops[i * self._per:(i + 1) * self._per]
         recorded = self._mtimes.tops
-        return WalkRequest(i, [(t, recorded[t]) for t in tops], self._mtimes.slices(tops), self._grace, self._budget)
+        return WalkRequest(i, [(t, recorded[t]) for t in tops], self._mtimes.slices(tops), self._grace, self._budget,
+                           self._report)
 
     def first_batch(self) -> ScanBatch:
         """What the root listing itself found: gone top directories, stale probe files."""

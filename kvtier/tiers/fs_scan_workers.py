@@ -13,8 +13,10 @@ tree's descriptor (passed at start; it walks it with the same no-follow rules) a
 Workers start on a tier's first big pass and are kept for the next ones; a worker whose pass was
 cut short (cancelled, failed) is killed, and one that dies is replaced at the next pass. They die
 with the engine (``PR_SET_PDEATHSIG`` on Linux; on other systems at their next write). Two
-workers walk in parallel where two cores are usable: a start-up scan then takes about the time
-of one thread's bare ``os.scandir`` + ``stat`` walk of the tree.
+workers walk in parallel where two cores are usable, in turns with the loop: a worker is sent
+its next request only when the loop has applied every batch received (a busy loop on the
+workers' cores would lose them for whole scheduler ticks, see :class:`_Gate`). A start-up scan
+then takes about 1.2 times one thread's bare ``os.scandir`` + ``stat`` walk of the tree.
 """
 
 from __future__ import annotations
@@ -149,6 +151,39 @@ class ScanWorker:
             await self._process.aclose()
 
 
+class _Gate:
+    """Frames received and not yet applied. A worker is sent its next request only when there
+    are none: workers walk while the loop waits, and wait while it applies.
+
+    Even at ``SCHED_IDLE``, a worker on the loop's core takes that core for whole scheduler ticks
+    (4 ms at 250 Hz) once the loop has run more than its fair share, which a loop applying batches
+    back to back soon has (Linux's EEVDF picks the eligible task; traced with ``sched_switch``).
+    With two workers walking while the loop applied, the loop lost its core ~27 times a second
+    during a start-up scan of 10^6 files; taking turns, a few times. A loop that only wakes up
+    (timers, transfers) preempts a worker at once. A gate that never ``closes`` lets every
+    worker go on (a caller with no loop to keep responsive)."""
+
+    def __init__(self, closes: bool) -> None:
+        self._queued = 0
+        self._closes = closes
+        self._open = anyio.Event()
+        self._open.set()
+
+    def add(self) -> None:
+        self._queued += 1
+        if self._closes and self._open.is_set():
+            self._open = anyio.Event()
+
+    def done(self) -> None:
+        self._queued -= 1
+        if not self._queued:
+            self._open.set()
+
+    async def wait(self) -> None:
+        while not self._open.is_set():
+            await self._open.wait()
+
+
 class ScanWorkers:
     """Up to ``size`` worker processes walking one tree; idle ones are kept between passes."""
 
@@ -164,16 +199,18 @@ class ScanWorkers:
         return sorted(self._live)
 
     async def walk(self, dir_fd: int, plan: PassPlan, *, due: Callable[[int], float] | None,
-                   apply: Callable[[ScanBatch], Awaitable[None]]) -> None:
+                   apply: Callable[[ScanBatch], Awaitable[None]], turns: bool = True) -> None:
         """Run ``plan``'s requests on the workers (request ``i`` not before ``due(i)``, monotonic);
-        ``apply`` each batch on this task as it arrives. Unpaced, each worker has two requests in
-        flight, so it walks while the loop applies. Raises OSError when a worker fails or dies;
-        ``apply``'s exceptions propagate; the workers of a pass cut short are killed."""
+        ``apply`` each batch on this task as it arrives. A worker has one request at a time, sent
+        when no batch waits to be applied (:class:`_Gate`), unless ``turns`` is false: a caller
+        with no event loop to keep responsive (an operator command) applies while workers walk.
+        Raises OSError when a worker fails or dies; ``apply``'s exceptions propagate; the
+        workers of a pass cut short are killed."""
         count = len(plan)
         if not count:
             return
         next_request = 0
-        in_flight = 1 if due is not None else 2
+        gate = _Gate(turns)
         # Frames go to this task undecoded: decoding one (~0.3 ms) and applying it (slices of
         # ~1 ms) are then separate turns of the loop, never several workers' decodes in one turn.
         send, receive = anyio.create_memory_object_stream[tuple[ScanWorker, bytes] | Exception](2 * self.size)
@@ -191,22 +228,16 @@ class ScanWorkers:
             async with out:
                 try:
                     worker = await self._take(dir_fd)
-                    pending = 0
-                    while True:
-                        while pending < in_flight:
-                            i = claim()
-                            if i is None:
-                                break
-                            if due is not None:
-                                await anyio.sleep(max(0.0, due(i) - time.monotonic()))
-                            await worker.send(plan.request(i))
-                            pending += 1
-                        if not pending:
-                            break
-                        end, payload = await worker.receive_frame()
-                        if end:
-                            pending -= 1
-                        await out.send((worker, payload))
+                    while (i := claim()) is not None:
+                        if due is not None:
+                            await anyio.sleep(max(0.0, due(i) - time.monotonic()))
+                        await gate.wait()
+                        await worker.send(plan.request(i))
+                        end = False
+                        while not end:
+                            end, payload = await worker.receive_frame()
+                            gate.add()
+                            await out.send((worker, payload))
                     clean = True
                 except Exception as exc:
                     with contextlib.suppress(anyio.BrokenResourceError):  # the pass already ended
@@ -230,6 +261,7 @@ class ScanWorkers:
                             raise OSError(batch.errno or errno.EIO, f"scan worker: {batch.error}")
                         await anyio.lowlevel.checkpoint()
                         await apply(batch)
+                        gate.done()
             except Exception as exc:  # re-raised below, outside the group, so it is not wrapped
                 failure = exc
                 tg.cancel_scope.cancel()
