@@ -6,7 +6,8 @@ files, their bytes, oldest/newest mtime, files of the trailer-less size (exactly
 vLLM's format), temporary files (``*.tmp`` of writes in progress or crashed, O_DIRECT probe
 files), stray entries (names not of the layout) and unsafe entries (links or special files where
 a chunk or shard directory belongs); then totals. No file is opened except ``config.json``; the
-shard directories of a tree are listed in parallel on a small thread pool; nothing is changed.
+shard directories of a big tree are listed by ``--scan-workers`` processes at the lowest CPU
+priority (:func:`kvtier.ops.runs.list_tree`); nothing is changed.
 
 ``slot_bytes``: ``config.json`` holds the run fields, not the KV geometry (head count and size),
 so the slot size is derived from the tree's file sizes (:func:`kvtier.ops.runs.guess_slot_bytes`:
@@ -76,8 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("root", metavar="ROOT", help="the fs tier's root_dir")
     parser.add_argument("--json", action="store_true", help="print one JSON document (schema: module docstring)")
-    parser.add_argument("--scan-threads", type=_runs.count_arg, default=_runs.SCAN_THREADS, metavar="N",
-                        help="threads listing shard directories; raise it on network filesystems (NFS)")
+    parser.add_argument("--scan-workers", type=_runs.count_arg, default=_runs.SCAN_WORKERS, metavar="N",
+                        help="worker processes listing the shard directories of a big tree (the usable cores); "
+                             "raise it on network filesystems (NFS), where every stat waits on the server")
     parser.add_argument("--slot-bytes", type=_positive_int, default=None, metavar="BYTES",
                         help="slot size of every run (e.g. 256KiB); derived from the most common file size when not given")
     return parser
@@ -108,7 +110,7 @@ def _tree_report(listing: _runs.TreeListing, slot_option: int | None) -> dict[st
 
 
 def inspect_root(root_fd: int, root: str, *, slot_bytes: int | None = None,
-                 progress_stream: TextIO | None = None, scan_threads: int = _runs.SCAN_THREADS) -> dict[str, Any]:
+                 progress_stream: TextIO | None = None, scan_workers: int = _runs.SCAN_WORKERS) -> dict[str, Any]:
     """The report of ``kvtier inspect`` (the ``--json`` document) for ROOT open as ``root_fd``."""
     found = discover(root_fd)
     done = [0]
@@ -129,7 +131,7 @@ def inspect_root(root_fd: int, root: str, *, slot_bytes: int | None = None,
         for run in found.runs:
             trees = []
             for tree in run.trees:
-                listing = list_tree(root_fd, tree.name, threads=scan_threads, on_shard=tick)
+                listing = list_tree(root_fd, tree.name, workers=scan_workers, on_shard=tick)
                 entry = {"name": tree.name, "rank": tree.rank, **_tree_report(listing, slot_bytes)}
                 trees.append(entry)
                 totals["trees"] += 1
@@ -210,7 +212,7 @@ def run_inspect_cli(argv: Sequence[str], *, out: TextIO | None = None) -> int:
 
 
 def _inspect(args: argparse.Namespace, root_fd: int, out: TextIO) -> int:
-    report = inspect_root(root_fd, args.root, slot_bytes=args.slot_bytes, scan_threads=args.scan_threads)
+    report = inspect_root(root_fd, args.root, slot_bytes=args.slot_bytes, scan_workers=args.scan_workers)
     if args.json:
         _runs.write_json(report, out)
     else:

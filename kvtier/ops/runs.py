@@ -17,11 +17,11 @@ Containment: ROOT is opened once (ROOT itself may be a link, like the tier's ``r
 directory below it is opened ``O_NOFOLLOW`` relative to its parent's descriptor
 (:mod:`kvtier.tiers.fs_beneath`), files are only ``lstat``-ed here, and nothing is modified.
 
-:func:`list_tree` walks one rank tree in parallel (one task per top-level shard directory on a
-small thread pool) and sorts what it finds into chunk files (regular files of the layout's names),
-unsafe entries (links, special files or directories where a chunk or shard directory belongs,
-reason ``not_regular``), temporary files (``<hash>.bin_<n>.tmp`` and O_DIRECT probe files) and
-stray entries (any other name).
+:func:`list_tree` walks one rank tree with the fs tier's own walk (:mod:`kvtier.tiers.fs_scan`,
+in scan worker processes on a big tree) and sorts what it finds into chunk files (regular files
+of the layout's names), unsafe entries (links, special files or directories where a chunk or
+shard directory belongs, reason ``not_regular``), temporary files (``<hash>.bin_<n>.tmp`` and
+O_DIRECT probe files) and stray entries (any other name).
 """
 
 from __future__ import annotations
@@ -29,19 +29,22 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import operator
 import os
 import re
 import stat
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
+
+import anyio
 
 from kvtier.errors import ConfigError
 from kvtier.layout import Namespace, namespace
-from kvtier.tiers import fs_beneath, fs_scan
+from kvtier.tiers import fs_beneath, fs_io, fs_scan
+from kvtier.tiers.fs_scan_workers import ScanWorkers
 from kvtier.tiers.integrity import TRAILER_PAGE
 
 __all__ = [
@@ -58,7 +61,8 @@ __all__ = [
     "parse_size",
     "format_bytes",
     "Progress",
-    "SCAN_THREADS",
+    "SCAN_WORKERS",
+    "IN_PROCESS_TOPS",
     "run_on_root",
     "count_arg",
 ]
@@ -66,11 +70,14 @@ __all__ = [
 _MAX_CONFIG_JSON_BYTES = 1 << 20  # as the fs tier
 _RUN_NAME = re.compile(r"(.+)_([0-9a-f]{12})")
 _TREE_NAME = re.compile(r"(.+_[0-9a-f]{12})_r(0|[1-9][0-9]{0,9})")
-#: Threads of a tree listing. One by default: listing a local tree whose metadata is cached is CPU
-#: work under one interpreter lock, and threads only added switching (10^5 files on a 2-core VM:
-#: 1 thread 2.9 s, 2 threads 3.4 s, 8 threads 4.8 s). Where every stat waits on a server (NFS),
-#: more threads hide that latency: ``--scan-threads``.
-SCAN_THREADS = 1
+#: Scan worker processes of a tree listing: every usable core (an operator command has no event
+#: loop to keep responsive; the workers run at the lowest CPU priority). ``--scan-workers``.
+SCAN_WORKERS = fs_io.usable_cpus()
+#: Trees with at most this many top-level shard directories are listed in this thread (a worker
+#: costs ~0.1 s to start), as the fs tier does.
+IN_PROCESS_TOPS = 512
+_TOPS_PER_REQUEST = 8
+_BATCH_ENTRIES = 4096
 
 
 class RootError(Exception):
@@ -102,8 +109,9 @@ class Discovery:
     other_entries: list[str] = field(default_factory=list)
 
 
-@dataclass(frozen=True, slots=True)
-class FileEntry:
+class FileEntry(NamedTuple):
+    """One entry of a rank tree (a named tuple: a tree of 10^6 chunk files makes 10^6 of them)."""
+
     relpath: str  # relative to the rank tree
     size: int
     mtime: float
@@ -237,82 +245,66 @@ def _entry(relpath: str, st: os.stat_result) -> FileEntry:
     return FileEntry(relpath, st.st_size, st.st_mtime, stat.S_ISDIR(st.st_mode))
 
 
-def _list_shard(tree_fd: int, d1: str) -> TreeListing:
-    """List ``<d1>/<d2>/<files>`` of one top-level shard directory (the fs tier's own listing,
-    :mod:`kvtier.tiers.fs_scan`, classifies each leaf)."""
-    out = TreeListing()
-    d1_fd = fs_scan.open_dir(tree_fd, d1)
-    if d1_fd is None:
-        return out
-    try:
-        for d2 in fs_scan.scandir(d1_fd):
-            st = _lstat(d2)
-            if st is None:
-                continue
-            rel2 = f"{d1}/{d2.name}"
-            match = fs_scan.DIR2.fullmatch(d2.name)
-            if match is None or int(match.group(2)) >= 2**32:
-                out.stray.append(_entry(rel2, st))
-                continue
-            if not stat.S_ISDIR(st.st_mode):
-                out.unsafe.append(_entry(rel2, st))
-                continue
-            d2_fd = fs_scan.open_dir(d1_fd, d2.name)
-            if d2_fd is None:
-                continue
-            try:
-                leaf = fs_scan.list_leaf(d2_fd, d1, match.group(1), int(match.group(2)))
-            finally:
-                os.close(d2_fd)
-            out.chunks += [FileEntry(f"{rel2}/{key[:-4].hex()}.bin", size, mtime) for key, size, mtime in leaf.chunks]
-            out.unsafe += [_entry(f"{rel2}/{name}", est) for name, est in leaf.unsafe]
-            out.tmp += [_entry(f"{rel2}/{name}", est) for name, est in leaf.tmp]
-            out.stray += [_entry(f"{rel2}/{name}", est) for name, est in leaf.stray]
-    finally:
-        os.close(d1_fd)
-    return out
-
-
-def list_tree(root_fd: int, tree_name: str, *, threads: int = SCAN_THREADS,
+def list_tree(root_fd: int, tree_name: str, *, workers: int = SCAN_WORKERS,
               on_shard: Callable[[], None] | None = None) -> TreeListing:
     """Everything under rank tree ``tree_name`` (stat only, nothing followed, nothing changed).
 
-    Chunks are sorted oldest first (by mtime). ``on_shard`` is called after each top-level shard
-    directory (progress)."""
+    The top-level shard directories are walked by :mod:`kvtier.tiers.fs_scan`'s reporting walk:
+    by ``workers`` scan worker processes (:mod:`kvtier.tiers.fs_scan_workers`) on a tree of more
+    than :data:`IN_PROCESS_TOPS` of them, in this thread otherwise. Chunks are sorted oldest first
+    (by mtime). ``on_shard`` is called after each top-level shard directory (progress)."""
     out = TreeListing()
     tree_fd = fs_scan.open_dir(root_fd, tree_name)
     if tree_fd is None:
         return out
     try:
-        shards: list[str] = []
         for top in fs_scan.scandir(tree_fd):
+            if fs_scan.DIR1.fullmatch(top.name):
+                continue  # the walk's: a link or file under a shard name is found unsafe there
             st = _lstat(top)
             if st is None:
                 continue
-            if fs_scan.DIR1.fullmatch(top.name):
-                if stat.S_ISDIR(st.st_mode):
-                    shards.append(top.name)
-                else:
-                    out.unsafe.append(_entry(top.name, st))
-            elif fs_scan.PROBE_NAME.fullmatch(top.name) and not stat.S_ISDIR(st.st_mode):
+            if fs_scan.PROBE_NAME.fullmatch(top.name) and not stat.S_ISDIR(st.st_mode):
                 out.tmp.append(_entry(top.name, st))
             else:
                 out.stray.append(_entry(top.name, st))
+        plan = fs_scan.PassPlan(fs_scan.list_root(tree_fd, None), fs_scan.LeafMtimes(), tmp_grace_s=None,
+                                tops_per_request=_TOPS_PER_REQUEST, budget=_BATCH_ENTRIES, report=True)
 
-        def one(d1: str) -> TreeListing:
-            try:
-                return _list_shard(tree_fd, d1)
-            finally:
-                if on_shard is not None:
+        def collect(batch: fs_scan.ScanBatch) -> None:
+            for leaf in batch.leaves:
+                leaf_dir = f"{leaf.leaf >> 8:03x}/{leaf.leaf & 0xff:02x}_g{leaf.group}/"
+                out.chunks += [FileEntry(f"{leaf_dir}{key[:-4].hex()}.bin", size, mtime)
+                               for key, size, mtime in leaf.chunks]
+            for other in batch.others:
+                getattr(out, other.kind).append(FileEntry(os.fsdecode(other.relpath), other.size, other.mtime,
+                                                          other.is_dir))
+            if on_shard is not None and batch.end and batch.request >= 0:  # a request's top directories are done
+                for _ in plan.root.tops[batch.request * _TOPS_PER_REQUEST:(batch.request + 1) * _TOPS_PER_REQUEST]:
                     on_shard()
 
-        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="kvtier-ops-scan") as pool:
-            for part in pool.map(one, sorted(shards)):
-                out.extend(part)
+        if len(plan.root.tops) <= IN_PROCESS_TOPS:
+            for i in range(len(plan)):
+                for batch in fs_scan.walk_tops(tree_fd, plan.request(i)):
+                    collect(batch)
+        else:
+            anyio.run(_walk_in_workers, tree_fd, plan, workers, collect)
     finally:
         os.close(tree_fd)
-    out.chunks.sort(key=lambda e: (e.mtime, e.relpath))
+    out.chunks.sort(key=operator.attrgetter("mtime", "relpath"))
     return out
+
+
+async def _walk_in_workers(tree_fd: int, plan: fs_scan.PassPlan, workers: int,
+                           collect: Callable[[fs_scan.ScanBatch], None]) -> None:
+    async def apply(batch: fs_scan.ScanBatch) -> None:
+        collect(batch)
+
+    pool = ScanWorkers(workers)
+    try:
+        await pool.walk(tree_fd, plan, due=None, apply=apply, turns=False)
+    finally:
+        await pool.aclose()
 
 
 def guess_slot_bytes(sizes: list[int]) -> int | None:
@@ -397,7 +389,8 @@ def run_on_root(name: str, parser: argparse.ArgumentParser, argv: Sequence[str],
         print(f"kvtier {name}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"kvtier {name}: error: {exc}", file=sys.stderr)
+        text = exc.strerror if exc.strerror is not None else str(exc)  # not "[Errno 32] ..."
+        print(f"kvtier {name}: error: {text if exc.filename is None else f'{exc.filename}: {text}'}", file=sys.stderr)
         return 1
     finally:
         os.close(root_fd)
