@@ -325,12 +325,12 @@ def measure(root: Path, files: int, args: argparse.Namespace) -> dict[str, Any]:
 
 def operator_commands(root: Path, tree: Path, out: dict[str, Any]) -> None:
     """``kvtier inspect`` and ``kvtier gc --dry-run`` (to half the bytes) of the same tree, as the
-    commands run them (their worker processes included), against a raw walk just before them (the
-    machine may have dropped the tree's metadata from memory since the first one)."""
+    commands run them (their worker processes included), against a raw walk just before them."""
     from kvtier.ops.gc import gc_root
     from kvtier.ops.inspect import inspect_root
     from kvtier.ops.runs import open_root
 
+    raw_walk(tree)  # the machine may have dropped the tree's metadata meanwhile: bring it back
     _, out["ops_raw_walk_s"], _ = raw_walk(tree)
     fd = open_root(str(root))
     try:

@@ -17,12 +17,11 @@ A pass is :func:`list_root` (names only), then :class:`WalkRequest` s of a few t
 each, answered by :func:`walk_tops` with :class:`ScanBatch` es. Requests and batches are msgspec
 structs so that a scan worker process (:func:`worker_main`, driven by
 :mod:`kvtier.tiers.fs_scan_workers`) can walk a big tree off the event loop's interpreter. This
-module imports nothing of kvtier's: a worker starts in ~0.1 s.
+module imports nothing of kvtier's but :mod:`kvtier.tiers.worker_io`: a worker starts in ~0.1 s.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import re
@@ -38,6 +37,8 @@ from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 import msgspec
+
+from kvtier.tiers.worker_io import die_with_parent, read_exactly, write_all
 
 __all__ = [
     "MAX_KEY_BYTES", "PROBE_PREFIX", "TOPS", "DIR1", "DIR2", "TMP", "PROBE_NAME", "DIR_FLAGS",
@@ -592,26 +593,25 @@ def worker_main(argv: list[str]) -> None:
     with a batch saying so); exits at the end of stdin, or when its parent dies. Runs at the
     lowest CPU priority."""
     dir_fd, parent = int(argv[0]), int(argv[1])
-    _die_with_parent(parent)
+    die_with_parent(parent)
     _lowest_priority()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the parent's to handle
     decoder = msgspec.msgpack.Decoder(WalkRequest)
     encoder = msgspec.msgpack.Encoder()
-    stdin, stdout = os.fdopen(0, "rb", buffering=0), os.fdopen(1, "wb", buffering=0)
 
     def send(batch: ScanBatch) -> None:
         payload = encoder.encode(batch)
-        _write_all(stdout, BATCH_HEADER.pack(len(payload), batch.end) + payload)
+        write_all(1, BATCH_HEADER.pack(len(payload), batch.end) + payload)
 
     mark = time.process_time()
     while True:
-        header = _read_exactly(stdin, FRAME_HEADER.size)
+        header = read_exactly(0, FRAME_HEADER.size)
         if header is None:
             return
         (length,) = FRAME_HEADER.unpack(header)
         if length > _MAX_REQUEST_BYTES:
             raise ValueError(f"a scan request of {length} bytes")
-        payload = _read_exactly(stdin, length)
+        payload = read_exactly(0, length)
         if payload is None:
             return
         request = decoder.decode(payload)
@@ -624,22 +624,6 @@ def worker_main(argv: list[str]) -> None:
             send(ScanBatch(request.id, end=True, error=str(exc), errno=exc.errno or 0))
 
 
-def _read_exactly(stream: object, n: int) -> bytes | None:
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = stream.read(n - len(buf))  # type: ignore[attr-defined]
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
-
-
-def _write_all(stream: object, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[stream.write(view):]  # type: ignore[attr-defined]
-
-
 def _lowest_priority() -> None:
     """Background work: the engine's threads (its event loop above all) come first. Without this,
     two busy workers on two cores keep the loop's thread waiting for a core for tens of ms. Linux:
@@ -648,18 +632,6 @@ def _lowest_priority() -> None:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # type: ignore[attr-defined]
     except (AttributeError, OSError):
         os.nice(19)
-
-
-def _die_with_parent(parent: int) -> None:
-    """Be killed when the parent dies (Linux), so a crashed engine leaves no walker behind."""
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent:  # it died before the request above took effect
-        os._exit(0)
 
 
 if __name__ == "__main__":  # pragma: no cover - the worker's entry point (see fs_scan_workers)

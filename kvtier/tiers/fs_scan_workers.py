@@ -34,8 +34,10 @@ import anyio.abc
 import anyio.lowlevel
 import msgspec
 
+import kvtier
 from kvtier.tiers import fs_scan
 from kvtier.tiers.fs_scan import BATCH_HEADER, FRAME_HEADER, PassPlan, ScanBatch, WalkRequest
+from kvtier.tiers.worker_io import import_paths
 
 __all__ = ["ScanWorker", "ScanWorkers", "ScanWorkerStartError"]
 
@@ -46,13 +48,6 @@ _BOOT = ("import sys; sys.path[:0] = sys.argv[3:]; "
          "from kvtier.tiers.fs_scan import worker_main; worker_main(sys.argv[1:3])")
 _DECODER = msgspec.msgpack.Decoder(ScanBatch)
 _ENCODER = msgspec.msgpack.Encoder()
-
-
-def _import_paths() -> list[str]:
-    """Where this process found kvtier and msgspec (a worker runs isolated from the environment)."""
-    kvtier_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(fs_scan.__file__))))
-    msgspec_parent = os.path.dirname(os.path.dirname(os.path.abspath(msgspec.__file__)))
-    return [kvtier_parent] if msgspec_parent == kvtier_parent else [kvtier_parent, msgspec_parent]
 
 
 class ScanWorkerStartError(OSError):
@@ -70,7 +65,7 @@ class ScanWorker:
     async def start(cls, dir_fd: int) -> ScanWorker:
         if not sys.executable:
             raise ScanWorkerStartError(errno.ENOENT, "no Python executable (sys.executable is empty)")
-        command = [sys.executable, "-I", "-c", _BOOT, str(dir_fd), str(os.getpid()), *_import_paths()]
+        command = [sys.executable, "-I", "-c", _BOOT, str(dir_fd), str(os.getpid()), *import_paths(kvtier, msgspec)]
         try:
             process = await anyio.open_process(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                                stderr=subprocess.PIPE, pass_fds=(dir_fd,), start_new_session=True)

@@ -1,0 +1,57 @@
+"""What kvtier's helper processes share: the fs tier's scan workers (:mod:`kvtier.tiers.fs_scan`)
+and ``kvtier verify``'s (:mod:`kvtier.ops.verify_workers`). Each is ``python -I -c BOOT`` talking
+length-prefixed msgspec frames on its stdin and stdout. Imports nothing of kvtier's, so a worker
+that imports this starts fast.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from types import ModuleType
+
+__all__ = ["import_paths", "die_with_parent", "read_exactly", "write_all"]
+
+
+def import_paths(*modules: ModuleType) -> list[str]:
+    """The directories this process imported ``modules`` from (a worker runs isolated, ``-I``,
+    so it is told where to find them), without repeats, in order."""
+    paths: list[str] = []
+    for module in modules:
+        parent = os.path.dirname(os.path.dirname(os.path.abspath(module.__file__ or "")))
+        if parent not in paths:
+            paths.append(parent)
+    return paths
+
+
+def die_with_parent(parent: int) -> None:
+    """Be killed when process ``parent`` dies (Linux: ``PR_SET_PDEATHSIG``), so a crashed or
+    interrupted parent leaves no worker behind; exit now if it is already gone. Elsewhere a
+    worker ends at its next write to the parent."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # it died before the request above took effect
+        os._exit(0)
+
+
+def read_exactly(fd: int, n: int) -> bytes | None:
+    """``n`` bytes from ``fd``; None at its end."""
+    data = bytearray()
+    while len(data) < n:
+        part = os.read(fd, n - len(data))
+        if not part:
+            return None
+        data += part
+    return bytes(data)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
