@@ -1,16 +1,23 @@
 """``kvtier verify`` throughput vs a raw parallel read of the same files.
 
 Writes ``--chunks`` chunk files of ``--chunk-kib`` KiB with the fs tier itself into a temporary
-root, then alternates (interleaved trials, order flipped each trial) a raw read — plain threads,
-each ``os.preadv`` of whole files into its own page-aligned buffer, batches of 32 files per task —
-and ``kvtier verify`` (:func:`kvtier.ops.verify.verify_root`: the same files read and checked with
-the tier's ``load_chunk``, trailer and xxh3 checksum included), both with ``--threads`` threads in
-this process. Files are in the page cache after the first pass, so this measures the CPU cost of
-verifying (open, read, checksum), not the disk. Prints GiB/s per trial, the medians and the
-verify/raw ratio (target ≥ 0.8). ``verify`` GiB/s is the read-and-check phase the command
-reports; ``verify+list`` includes listing the tree first.
+root, then alternates a raw read — plain threads, each ``os.preadv`` of whole files into its own
+page-aligned buffer, batches of 32 files per task — and ``kvtier verify``
+(:func:`kvtier.ops.verify.verify_root`: the same files read and checked with the tier's
+``load_chunk``, trailer and xxh3 checksum included), with ``--readers`` worker processes (one: this
+process alone). Files are in the page cache after the first pass,
+so this measures the CPU cost of verifying (open, read, checksum), not the disk. Each trial is
+``--passes`` rounds of four reads, the order rotated every round: raw with ``--readers``
+threads, raw with twice as many threads (on 2 cores either may be the faster), raw in
+``--readers`` forked processes each reading a fixed share (no interpreter lock shared, no work
+handed out: the strongest raw read here), and verify. Prints GiB/s per trial, the medians and
+the ratio of verify to the fastest raw read (target >= 0.8). ``verify`` GiB/s is the
+read-and-check phase the command reports (its workers' start-up excluded, like the listing; the
+raw threads and processes, likewise, are started before timing); ``whole`` is the whole
+``verify_root`` call (discovery, listing, starting and ending the workers): on a tree this small
+the ~0.1 s start-up dominates it.
 
-    python benchmarks/verify.py [--chunks 256] [--chunk-kib 256] [--threads 2*cores] [--trials 5] [--passes 3]
+    python benchmarks/verify.py [--chunks 256] [--chunk-kib 256] [--readers cores] [--trials 5] [--passes 5]
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -73,18 +81,30 @@ def write_tree(root: Path, chunks: int, chunk_kib: int) -> KVGeometry:
     return geometry
 
 
-def raw_read(files: list[tuple[int, str, int]], threads: int) -> tuple[int, float]:
-    """Read every file whole with ``preadv`` on ``threads`` threads; (bytes, seconds)."""
-    import threading
+class RawReader:
+    """Read every file whole with ``preadv`` on ``threads`` threads, started (and their buffers
+    made) before the first timed read: like verify's workers, whose start-up its GiB/s excludes."""
 
-    local = threading.local()
+    def __init__(self, threads: int) -> None:
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(max_workers=threads)
 
-    def read(batch: list[tuple[int, str, int]]) -> int:
+    def close(self) -> None:
+        self._pool.shutdown()
+
+    def read(self, files: list[tuple[int, str, int]]) -> tuple[int, float]:
+        """(bytes, seconds) of one read of ``files``."""
+        batches = [files[i : i + _BATCH] for i in range(0, len(files), _BATCH)]
+        started = time.perf_counter()
+        total = sum(self._pool.map(self._read, batches))
+        return total, time.perf_counter() - started
+
+    def _read(self, batch: list[tuple[int, str, int]]) -> int:
         total = 0
         for dir_fd, relpath, size in batch:
-            buf = getattr(local, "buf", None)
+            buf = getattr(self._local, "buf", None)
             if buf is None or len(buf) != size:
-                buf = local.buf = memoryview(mmap.mmap(-1, size))
+                buf = self._local.buf = memoryview(mmap.mmap(-1, size))
             fd = os.open(relpath, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
             try:
                 total += os.preadv(fd, [buf], 0)
@@ -92,11 +112,54 @@ def raw_read(files: list[tuple[int, str, int]], threads: int) -> tuple[int, floa
                 os.close(fd)
         return total
 
-    batches = [files[i : i + _BATCH] for i in range(0, len(files), _BATCH)]
-    started = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        total = sum(pool.map(read, batches))
-    return total, time.perf_counter() - started
+
+class ForkedRawReader:
+    """The raw read in ``processes`` forked processes, each reading its fixed share of the files
+    (every ``processes``-th) whole with ``preadv`` into its own buffer when told to: no
+    interpreter lock shared, no work handed out. Forked before any thread is started."""
+
+    def __init__(self, files: list[tuple[int, str, int]], processes: int) -> None:
+        self._total = sum(size for _, _, size in files)
+        self._children: list[tuple[int, int, int]] = []  # pid, its "go" pipe, its "done" pipe
+        for i in range(processes):
+            go_r, go_w = os.pipe()
+            done_r, done_w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: read its share at each byte on its "go" pipe, until its end
+                for _, go, done in self._children:
+                    os.close(go)
+                    os.close(done)
+                os.close(go_w)
+                os.close(done_r)
+                share = files[i::processes]
+                buf = memoryview(mmap.mmap(-1, max(size for _, _, size in share)))
+                while os.read(go_r, 1):
+                    for dir_fd, relpath, size in share:
+                        fd = os.open(relpath, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+                        try:
+                            os.preadv(fd, [buf[:size]], 0)
+                        finally:
+                            os.close(fd)
+                    os.write(done_w, b"d")
+                os._exit(0)
+            os.close(go_r)
+            os.close(done_w)
+            self._children.append((pid, go_w, done_r))
+
+    def read(self, files: list[tuple[int, str, int]]) -> tuple[int, float]:
+        """(bytes, seconds) of one read of the files given at start (``files`` is ignored)."""
+        started = time.perf_counter()
+        for _, go, _ in self._children:
+            os.write(go, b"g")
+        for _, _, done in self._children:
+            os.read(done, 1)
+        return self._total, time.perf_counter() - started
+
+    def close(self) -> None:
+        for pid, go, done in self._children:
+            os.close(go)  # the end of its "go" pipe: it exits
+            os.close(done)
+            os.waitpid(pid, 0)
 
 
 def main() -> None:
@@ -104,9 +167,10 @@ def main() -> None:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--chunks", type=int, default=256, help="chunk files")
     parser.add_argument("--chunk-kib", type=int, default=256, help="payload KiB per chunk (multiple of 64)")
-    parser.add_argument("--threads", type=int, default=fs_io.usable_cpus() * 2, help="threads of both readers")
+    parser.add_argument("--readers", type=int, default=fs_io.usable_cpus(),
+                        help="readers of both: raw threads, verify workers")
     parser.add_argument("--trials", type=int, default=5, help="interleaved trials")
-    parser.add_argument("--passes", type=int, default=3, help="reads of the whole tree per trial and reader")
+    parser.add_argument("--passes", type=int, default=5, help="reads of the whole tree per trial and reader")
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-verify-") as tmp:
@@ -114,6 +178,7 @@ def main() -> None:
         geometry = write_tree(root, args.chunks, args.chunk_kib)
         root_fd = open_root(str(root))
         tree_fds: list[int] = []
+        readers: list[RawReader | ForkedRawReader] = []
         try:
             files: list[tuple[int, str, int]] = []
             for run in discover(root_fd).runs:
@@ -123,39 +188,53 @@ def main() -> None:
                     files += [(fd, c.relpath, c.size) for c in list_tree(root_fd, tree.name).chunks]
             total_bytes = sum(f[2] for f in files)
             print(f"{len(files)} chunk files x {geometry.slot_bytes(1) // 1024} KiB + trailer page "
-                  f"({total_bytes / (1 << 20):.1f} MiB), threads {args.threads}, {fs_io.usable_cpus()} usable cores, "
+                  f"({total_bytes / (1 << 20):.1f} MiB), {args.readers} readers, {fs_io.usable_cpus()} usable cores, "
                   f"page cache warm")
-            raw_read(files, args.threads)  # warm the page cache
-            print(f"{'trial':>5}  {'raw GiB/s':>10}  {'verify GiB/s':>12}  {'verify+list':>11}  {'ratio':>6}")
-            raws, verifies, fulls = [], [], []
+            forked = ForkedRawReader(files, args.readers)
+            raw, double = RawReader(args.readers), RawReader(2 * args.readers)
+            readers.extend((forked, raw, double))
+            for reader in readers:  # warm the page cache, start every thread with its buffer
+                for _ in range(3):
+                    reader.read(files)
+            names = ("raw", "raw 2x", "raw procs", "verify")
+            by_name: dict[str, RawReader | ForkedRawReader] = {"raw": raw, "raw 2x": double, "raw procs": forked}
+            print(f"{'trial':>5}  {'raw GiB/s':>10}  {'raw 2x':>7}  {'raw procs':>9}  {'verify GiB/s':>12}  "
+                  f"{'ratio':>6}  {'whole':>6}")
+            rates: dict[str, list[float]] = {name: [] for name in (*names, "whole")}
             for trial in range(1, args.trials + 1):
-                order = ("raw", "verify") if trial % 2 else ("verify", "raw")
-                for what in order:
-                    if what == "raw":
-                        n = secs = 0.0
-                        for _ in range(args.passes):
-                            bytes_read, seconds = raw_read(files, args.threads)
-                            n, secs = n + bytes_read, secs + seconds
-                        raws.append(n / secs / GIB)
-                    else:
-                        n = secs = full = 0.0
-                        for _ in range(args.passes):
+                took = {name: [0.0, 0.0] for name in rates}
+                for p in range(args.passes):
+                    turn = (trial + p) % len(names)
+                    for what in names[turn:] + names[:turn]:
+                        if what == "verify":
                             started = time.perf_counter()
-                            report = verify_root(root_fd, str(root), threads=args.threads)
-                            full += time.perf_counter() - started
+                            report = verify_root(root_fd, str(root), workers=args.readers)
+                            whole = time.perf_counter() - started
                             assert report["ok"] == len(files) and report["problems_left"] == 0, report["counts"]
-                            n, secs = n + report["bytes_read"], secs + report["elapsed_s"]
-                        verifies.append(n / secs / GIB)
-                        fulls.append(n / full / GIB)
-                print(f"{trial:>5}  {raws[-1]:>10.2f}  {verifies[-1]:>12.2f}  {fulls[-1]:>11.2f}  "
-                      f"{verifies[-1] / raws[-1]:>6.2f}")
-            raw_m, ver_m, full_m = (statistics.median(v) for v in (raws, verifies, fulls))
-            print(f"{'median':>5}  {raw_m:>10.2f}  {ver_m:>12.2f}  {full_m:>11.2f}  {ver_m / raw_m:>6.2f}"
-                  f"   (target ratio >= 0.8)")
+                            bytes_read, seconds = report["bytes_read"], report["elapsed_s"]
+                            took["whole"][0] += bytes_read
+                            took["whole"][1] += whole
+                        else:
+                            bytes_read, seconds = by_name[what].read(files)
+                        took[what][0] += bytes_read
+                        took[what][1] += seconds
+                for name, (n, secs) in took.items():
+                    rates[name].append(n / secs / GIB)
+                print(_row(str(trial), {name: values[-1] for name, values in rates.items()}))
+            print(_row("median", {name: statistics.median(values) for name, values in rates.items()})
+                  + "   (target ratio >= 0.8)")
         finally:
+            for reader in readers:
+                reader.close()
             for fd in tree_fds:
                 os.close(fd)
             os.close(root_fd)
+
+
+def _row(label: str, rate: dict[str, float]) -> str:
+    best_raw = max(rate["raw"], rate["raw 2x"], rate["raw procs"])
+    return (f"{label:>5}  {rate['raw']:>10.2f}  {rate['raw 2x']:>7.2f}  {rate['raw procs']:>9.2f}  "
+            f"{rate['verify']:>12.2f}  {rate['verify'] / best_raw:>6.2f}  {rate['whole']:>6.2f}")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ RUNS: dict[str, tuple[list[str], list[str]]] = {
     ),
     "p2p_tier.py": (["--tiny"], ["raw GiB/s", "256 KiB", "2 MiB"]),
     "verify.py": (
-        ["--chunks", "16", "--chunk-kib", "64", "--trials", "2", "--passes", "1", "--threads", "2"],
+        ["--chunks", "16", "--chunk-kib", "64", "--trials", "2", "--passes", "1", "--readers", "2"],
         ["16 chunk files x 64 KiB", "raw GiB/s", "verify GiB/s", "median", "target ratio >= 0.8"],
     ),
 }

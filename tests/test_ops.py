@@ -82,7 +82,7 @@ def test_clean_tree_inspects_and_verifies_clean(tmp_path: Path) -> None:
     status, text = cli(run_inspect_cli, str(tmp_path))
     assert status == 0 and f"chunk files  {N}" in text
 
-    status, report = cli_json(run_verify_cli, str(tmp_path), "--threads", "3")
+    status, report = cli_json(run_verify_cli, str(tmp_path), "--workers", "3")
     assert status == 0
     assert report["ok"] == N and report["files_checked"] == N and report["bytes_read"] == N * FILE
     assert report["problems"] == [] and report["problems_left"] == 0
@@ -157,7 +157,7 @@ def test_every_kind_of_corruption_is_reported_by_reason_and_repaired(tmp_path: P
     assert sorted(t["unsafe_entries"]) == sorted([paths["not_regular_dir"].name,
                                                   Namespace.chunk_relpath(key_of(100))])
 
-    status, report = cli_json(run_verify_cli, str(root), "--threads", "4")
+    status, report = cli_json(run_verify_cli, str(root), "--workers", "4")
     assert status == 1
     counts = report["counts"]
     for reason in ("short", "long", "checksum", "wrong_chunk", "old_version", "bad_trailer", "unverified"):
@@ -248,7 +248,7 @@ def test_progress_goes_to_stderr_only_when_it_is_a_terminal(tmp_path: Path) -> N
     try:
         for stream, shown in ((io.StringIO(), False), (FakeTerminal(), True)):
             inspect_root(fd, str(tmp_path), progress_stream=stream)
-            report = verify_root(fd, str(tmp_path), threads=1, progress_stream=stream)
+            report = verify_root(fd, str(tmp_path), workers=1, progress_stream=stream)
             assert report["ok"] == 4
             assert ("\x1b[K" in stream.getvalue()) == shown
     finally:
@@ -274,14 +274,14 @@ def test_usage_errors_exit_2_with_one_line_and_help_shows_defaults_and_exit_code
     help_text = capsys.readouterr().out
     assert "exit status:" in help_text and "  2  usage error" in help_text
     if fn is run_verify_cli:
-        assert "(default: " in help_text  # --threads, --tmp-grace
+        assert "(default: " in help_text  # --workers, --tmp-grace
     assert fn([str(tmp_path), *extra]) == 0  # an empty root is clean
 
 
 def test_gc_size_argument_errors_exit_2(tmp_path: Path) -> None:
     assert cli(run_gc_cli, str(tmp_path))[0] == 2  # --max-bytes is required
     assert cli(run_gc_cli, str(tmp_path), "--max-bytes", "lots")[0] == 2
-    assert cli(run_verify_cli, str(tmp_path), "--threads", "0")[0] == 2
+    assert cli(run_verify_cli, str(tmp_path), "--workers", "0")[0] == 2
 
 
 def test_parse_size_and_slot_guess() -> None:
@@ -433,3 +433,84 @@ def test_a_vllm_only_tree_is_unverified_and_never_repaired_away(tmp_path: Path) 
     assert all(chunk(tree, i).exists() for i in range(3))
     status, report = cli_json(run_verify_cli, str(tmp_path), "--repair", "--slot-bytes", str(SLOT))
     assert status == 0 and report["counts"]["short"] == 3 and not any(chunk(tree, i).exists() for i in range(3))
+
+
+# --- verify in worker processes ------------------------------------------------------------------
+
+
+def _same_findings(report: dict[str, Any]) -> dict[str, Any]:
+    """A verify report without what depends on who read the files and how fast."""
+    return {k: v for k, v in report.items() if k not in ("workers", "elapsed_s", "gib_per_s")}
+
+
+def test_worker_processes_find_exactly_what_this_process_finds(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    tree = build(root, list(range(N)))
+    build(root, [0, 1, 2], rank=1, agnostic=False)  # a second run, so requests name several trees
+    corrupt_everything(root, tree, outside)
+    status_1, alone = cli_json(run_verify_cli, str(root), "--workers", "1")
+    status_3, workers = cli_json(run_verify_cli, str(root), "--workers", "3")
+    assert status_1 == status_3 == 1 and alone["workers"] == 1 and workers["workers"] == 3
+    assert alone["ok"] == N - 7 + 3 and alone["counts"]["checksum"] == 1 and alone["counts"]["not_regular"] == 2
+    assert _same_findings(workers) == _same_findings(alone)
+
+
+def test_a_worker_killed_mid_run_fails_the_check_clearly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    import signal
+
+    from kvtier.ops import verify_workers
+
+    tree = build(tmp_path, list(range(N)))
+    data = bytearray(chunk(tree, 0).read_bytes())
+    data[100] ^= 0x01
+    chunk(tree, 0).write_bytes(bytes(data))  # a checksum problem that --repair would remove
+    workers: list[Any] = []
+    real_match = verify_workers._Worker.match
+
+    def match_then_kill(self: Any, answer: Any) -> Any:
+        request = real_match(self, answer)
+        workers.append(self)
+        if answer.verdicts:  # after its first real answer: as if the OOM killer took it
+            os.kill(self.pid, signal.SIGKILL)
+        return request
+
+    monkeypatch.setattr(verify_workers._Worker, "match", match_then_kill)
+    status, out = cli(run_verify_cli, str(tmp_path), "--workers", "2", "--repair")
+    err = capsys.readouterr().err
+    assert status == 1 and out == ""  # no report: the check did not finish
+    assert "kvtier verify: error: verify worker" in err and "exited (status -9)" in err, err
+    assert all(w.process.returncode is not None for w in workers)  # none left running
+    assert chunk(tree, 0).exists()  # nothing repaired on a failed check
+
+
+def _frame(obj: Any) -> str:
+    import msgspec
+
+    payload = msgspec.msgpack.encode(obj)
+    return (struct.pack(">I", len(payload)) + payload).hex()
+
+
+@pytest.mark.parametrize("answer, message", [
+    ((struct.pack(">I", 5) + b"\xc1junk").hex(), "sent a bad answer"),  # not msgpack
+    (_frame([0, [len(REASONS) + 5]]), "sent a bad answer"),  # a verdict out of range
+    (_frame([0, "ok"]), "sent a bad answer"),  # wrong types
+    (_frame([7, [0]]), "answer to no request"),  # not the request sent
+    (_frame([0, [0, 0, 0]]), "answer to no request"),  # not one verdict per file
+    (struct.pack(">I", 1 << 30).hex(), "sent a frame of 1073741824 bytes"),  # over the bound
+])
+def test_a_malformed_answer_from_a_worker_is_rejected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture[str], answer: str,
+                                                      message: str) -> None:
+    from kvtier.ops import verify_workers
+
+    build(tmp_path, [0, 1])
+    # A stand-in worker: says it started, then answers whatever it is sent with ``answer``.
+    fake = ("import os; os.write(1, bytes.fromhex(%r)); os.read(0, 1 << 16); os.write(1, bytes.fromhex(%r)); "
+            "os.read(0, 1 << 16)" % (_frame([-1, []]), answer))
+    monkeypatch.setattr(verify_workers, "_BOOT", fake)
+    status, out = cli(run_verify_cli, str(tmp_path), "--workers", "2")
+    err = capsys.readouterr().err
+    assert status == 1 and out == "" and message in err, err

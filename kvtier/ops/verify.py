@@ -1,4 +1,4 @@
-"""``kvtier verify ROOT [--run DIGEST] [--repair] [--json] [--threads N]``: read and check every chunk.
+"""``kvtier verify ROOT [--run DIGEST] [--repair] [--json] [--workers N]``: read and check every chunk.
 
 Every chunk file of every rank tree (:mod:`kvtier.ops.runs`) is read in full and checked with
 :func:`kvtier.tiers.fs_io.load_chunk` — the tier's own load path — against its identity: the
@@ -27,16 +27,24 @@ trailer is valid, the most common size is taken as the trailer-less (vLLM) slot 
 under which no file is removed for its size alone; a tree where even that fails (no size a
 multiple of 4096) is not checked: its files count as ``unchecked`` problems, never removed.
 
-Threads: ``--threads`` (default: twice the usable cores), each with its own page-aligned buffer
-(an anonymous ``mmap`` of one slot). The GiB/s printed is file bytes read over the time of the
-read-and-check phase (listing excluded); progress (chunks, GiB/s) goes to stderr when it is a
-terminal.
+Readers: ``--workers N`` (default: the usable cores; it replaces ``--threads``). With N > 1
+the files are checked by N worker processes (:mod:`kvtier.ops.verify_workers`), each with its
+own interpreter lock: the checksum and the per-file Python hold that lock, so threads of one
+process queued for it (0.55-0.8x of a raw parallel read on 2 cores); workers reach ~0.9x of the
+fastest raw read (``benchmarks/verify.py``). With N = 1 this process checks every file itself
+and starts nothing. Either way each reader reads one file after another into its own
+page-aligned buffer of one slot (an anonymous ``mmap``), and the verdicts are the same. Workers
+start (~0.1 s) while the trees are listed; the GiB/s printed is file bytes read over the time of
+the read-and-check phase (listing and worker start-up excluded); progress (chunks, GiB/s) goes to
+stderr when it is a terminal. ``--repair`` removes files in this process, after every file was
+checked: a check that fails (a worker died) removes nothing.
 
-Exit status: 0 no problems (or all repaired), 1 problems found and not repaired, 2 usage errors.
+Exit status: 0 no problems (or all repaired), 1 problems found and not repaired (or the check
+could not finish: a worker died or broke protocol; the error line says which), 2 usage errors.
 
 ``--json`` prints one document::
 
-    {"root": str, "threads": int, "repair": bool,
+    {"root": str, "workers": int, "repair": bool,  # the readers (--workers)
      "files_checked": int, "bytes_read": int, "elapsed_s": float, "gib_per_s": float,
      "ok": int, "vanished": int, "tmp_in_progress": int,
      "unchecked": int,                        # chunk files of trees with no usable slot size
@@ -53,20 +61,19 @@ from __future__ import annotations
 
 import argparse
 import collections
-import mmap
+import contextlib
 import os
 import struct
 import sys
-import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 from kvtier.layout import Namespace
 from kvtier.ops import runs as _runs
 from kvtier.ops.runs import Progress, discover, format_bytes, list_tree, run_on_root
+from kvtier.ops.verify_workers import CheckRequest, VerifyWorkers, check_file, slot_buffer
 from kvtier.tiers import fs_beneath, fs_io
 from kvtier.tiers.integrity import MAGIC, TRAILER_PAGE, identity
 
@@ -78,12 +85,12 @@ REASONS: tuple[str, ...] = (
 )
 _NOT_PROBLEMS = frozenset({"unverified"})
 _TAIL = struct.Struct("<4sHHQQ8x")
-_BATCH = 32
+_BATCH = 32  # files per batch at most
 
 _EPILOG = """\
 exit status:
   0  no problems found (or every one repaired with --repair)
-  1  problems found and not repaired
+  1  problems found and not repaired, or the check could not finish (a worker failed)
   2  usage error (bad arguments, ROOT missing or not a directory, no run matches --run)
 """
 
@@ -103,8 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repair", action="store_true",
                         help="remove corrupt, misplaced and stray files (never trailer-less vLLM files)")
     parser.add_argument("--json", action="store_true", help="print one JSON document (schema: module docstring)")
-    parser.add_argument("--threads", type=_threads_arg, default=fs_io.usable_cpus() * 2, metavar="N",
-                        help="reader threads (twice the usable cores)")
+    parser.add_argument("--workers", type=_workers_arg, default=fs_io.usable_cpus(), metavar="N",
+                        help="readers: N worker processes, 1 = this process alone (the usable cores)")
     parser.add_argument("--slot-bytes", type=_runs.size_arg, default=None, metavar="BYTES",
                         help="slot size of every run (e.g. 256KiB); read from the trailers when not given")
     parser.add_argument("--tmp-grace", type=float, default=3600.0, metavar="SECONDS",
@@ -112,18 +119,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _threads_arg(text: str) -> int:
+def _workers_arg(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if not 1 <= value <= 1024:
-        raise argparse.ArgumentTypeError(f"threads must be in 1..1024, got {value}")
+        raise argparse.ArgumentTypeError(f"workers must be in 1..1024, got {value}")
     return value
 
 
 @dataclass(slots=True)
 class _Tree:
+    index: int  # of its descriptor among those the workers hold
     name: str
     run: str
     rank: int
@@ -169,41 +177,40 @@ def _raw_slot_guess(sizes: list[int]) -> int | None:
     return top if top > 0 and top % TRAILER_PAGE == 0 else None
 
 
-class _Buffers(threading.local):
-    def __init__(self) -> None:
-        self.by_size: dict[int, memoryview] = {}
-
-    def get(self, size: int) -> memoryview:
-        buf = self.by_size.get(size)
-        if buf is None:
-            # Page aligned (an anonymous mapping), as the tier's slots are; kept for the thread's life.
-            buf = self.by_size[size] = memoryview(mmap.mmap(-1, size))
-        return buf
-
-
-def verify_root(root_fd: int, root: str, *, threads: int, run_filter: str | None = None, repair: bool = False,
+def verify_root(root_fd: int, root: str, *, workers: int, run_filter: str | None = None, repair: bool = False,
                 slot_bytes: int | None = None, tmp_grace_s: float = 3600.0,
                 progress_stream: TextIO | None = None) -> dict[str, Any]:
     """Verify (and with ``repair`` clean) ROOT open as ``root_fd``; the ``--json`` document.
+    ``workers``: readers (more than one: worker processes, see the module docstring).
 
-    ``ValueError`` when ``run_filter`` matches no run."""
+    ``ValueError`` when ``run_filter`` matches no run; ``OSError`` when a worker fails."""
     found = discover(root_fd)
     selected = [r for r in found.runs if run_filter is None or run_filter in (r.digest, r.name)]
     if run_filter is not None and not selected:
         raise ValueError(f"no run with digest or name {run_filter!r} under {root}")
     trees: list[_Tree] = []
+    tree_fds: list[int] = []
     now = time.time()
     problems: list[dict[str, Any]] = []
     counts = dict.fromkeys(REASONS, 0)
     unverified: list[str] = []
     tmp_in_progress = 0
     try:
+        opened = []
         for run in selected:
             for tree in run.trees:
                 try:
-                    tree_fd = fs_beneath.open_dir(root_fd, tree.name)
+                    tree_fds.append(fs_beneath.open_dir(root_fd, tree.name))
                 except (FileNotFoundError, fs_beneath.UnsafeEntry):
                     continue
+                opened.append((run, tree))
+        with contextlib.ExitStack() as stack:
+            pool = None
+            if workers > 1 and tree_fds:
+                # Started first: they boot (~0.1 s) while the trees are listed.
+                pool = stack.enter_context(VerifyWorkers(tree_fds, workers))
+            for index, (run, tree) in enumerate(opened):
+                tree_fd = tree_fds[index]
                 listing = list_tree(root_fd, tree.name)
                 slot, source = slot_bytes, "option"
                 if slot is None:
@@ -212,8 +219,9 @@ def verify_root(root_fd: int, root: str, *, threads: int, run_filter: str | None
                     # No trailer vouches for a size: take the most common size as trailer-less
                     # (vLLM) slots, the guess under which no file is removed for its size alone.
                     slot, source = _raw_slot_guess([c.size for c in listing.chunks]), "guessed"
-                trees.append(_Tree(tree.name, run.name, tree.rank, tree_fd, tree.namespace, slot,
+                trees.append(_Tree(index, tree.name, run.name, tree.rank, tree_fd, tree.namespace, slot,
                                    source if slot is not None else None, listing))
+            checked = _check_chunks(trees, pool, progress_stream)
         for t in trees:
             for entry in t.listing.unsafe:
                 problems.append(_problem(t, entry.relpath, "not_regular", entry.size, entry.is_dir))
@@ -224,7 +232,6 @@ def verify_root(root_fd: int, root: str, *, threads: int, run_filter: str | None
                     problems.append(_problem(t, entry.relpath, "stray", entry.size, False))
                 else:
                     tmp_in_progress += 1
-        checked = _check_chunks(trees, threads, progress_stream)
         ok = 0
         vanished = 0
         bytes_read = 0
@@ -256,7 +263,7 @@ def verify_root(root_fd: int, root: str, *, threads: int, run_filter: str | None
         elapsed = checked["elapsed"]
         return {
             "root": root,
-            "threads": threads,
+            "workers": workers,
             "repair": repair,
             "files_checked": len(checked["results"]) - vanished - unchecked,
             "unchecked": unchecked,
@@ -278,8 +285,8 @@ def verify_root(root_fd: int, root: str, *, threads: int, run_filter: str | None
             "problems_left": left,
         }
     finally:
-        for t in trees:
-            os.close(t.fd)
+        for fd in tree_fds:
+            os.close(fd)
 
 
 def _problem(tree: _Tree, relpath: str, reason: str, size: int, is_dir: bool) -> dict[str, Any]:
@@ -296,8 +303,10 @@ def _remove(tree_fd: int, relpath: str) -> bool:
         return False
 
 
-def _check_chunks(trees: list[_Tree], threads: int, progress_stream: TextIO | None) -> dict[str, Any]:
-    """Read and check every chunk file of ``trees`` on ``threads`` threads."""
+def _check_chunks(trees: list[_Tree], workers: VerifyWorkers | None,
+                  progress_stream: TextIO | None) -> dict[str, Any]:
+    """Read and check every chunk file of ``trees``: on ``workers``, or in this thread when None.
+    ``results`` keep the trees' and listings' order whichever reads them."""
     work: list[tuple[_Tree, _runs.FileEntry, bytes]] = []
     results: list[tuple[_Tree, _runs.FileEntry, str | None]] = []
     for t in trees:
@@ -307,51 +316,61 @@ def _check_chunks(trees: list[_Tree], threads: int, progress_stream: TextIO | No
                 results.append((t, entry, "unchecked"))
                 continue
             work.append((t, entry, identity(key, t.namespace.fingerprint)))
-    batches = [work[i : i + _BATCH] for i in range(0, len(work), _BATCH)]
-    lock = threading.Lock()
+    # Batches of one tree each (a request names one tree and its slot size); at least 8 per
+    # worker, so that the last ones, which some workers wait out idle, are short.
+    size = max(1, min(_BATCH, len(work) // (8 * workers.size))) if workers is not None else _BATCH
+    batches: list[list[tuple[_Tree, _runs.FileEntry, bytes]]] = []
+    for item in work:
+        if not batches or len(batches[-1]) == size or batches[-1][0][0] is not item[0]:
+            batches.append([])
+        batches[-1].append(item)
+    batch_bytes = [sum(entry.size for _, entry, _ in batch) for batch in batches]
+    verdicts: list[list[str | None]] = [[] for _ in batches]
     done = {"files": 0, "bytes": 0}
-    buffers = _Buffers()
-    started = time.monotonic()
 
-    def check(batch: list[tuple[_Tree, _runs.FileEntry, bytes]]) -> list[tuple[_Tree, _runs.FileEntry, str | None]]:
-        out: list[tuple[_Tree, _runs.FileEntry, str | None]] = []
-        nbytes = 0
-        slot = 0
-        buf = memoryview(b"")
-        load = fs_io.load_chunk
-        for t, entry, chunk_identity in batch:
-            if t.slot != slot:
-                assert t.slot is not None
-                slot, buf = t.slot, buffers.get(t.slot)
-            try:
-                reason = load(t.fd, entry.relpath, buf, chunk_identity, o_direct=False).reason
-            except FileNotFoundError:
-                reason = "vanished"
-            except OSError:
-                reason = "short"  # unreadable (EIO): as good as truncated
-            out.append((t, entry, reason))
-            nbytes += entry.size
-        with lock:
-            done["files"] += len(batch)
-            done["bytes"] += nbytes
-        return out
+    def finished(number: int, found: list[str | None]) -> None:
+        verdicts[number] = found
+        done["files"] += len(found)
+        done["bytes"] += batch_bytes[number]
 
     def render() -> str:
         elapsed = max(time.monotonic() - started, 1e-9)
         return (f"kvtier verify: {done['files']}/{len(work)} chunks, "
                 f"{done['bytes'] / elapsed / 2**30:.2f} GiB/s")
 
+    requests = []
+    if workers is not None:
+        requests = workers.prepare([
+            CheckRequest(number, batch[0][0].index, _slot_of(batch[0][0]),
+                         [(entry.relpath, chunk_identity) for _, entry, chunk_identity in batch])
+            for number, batch in enumerate(batches)])
+        # Their start-up is not part of the read-and-check phase.
+        workers.wait_ready(sorted({_slot_of(batch[0][0]) for batch in batches}))
+    started = time.monotonic()
     with Progress(render, stream=progress_stream):
         started = time.monotonic()
-        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtier-verify") as pool:
-            for part in pool.map(check, batches):
-                results.extend(part)
+        if workers is None:
+            buffers: dict[int, memoryview] = {}
+            for number, batch in enumerate(batches):
+                buf = slot_buffer(buffers, _slot_of(batch[0][0]))
+                finished(number, [check_file(t.fd, entry.relpath, buf, chunk_identity)
+                                  for t, entry, chunk_identity in batch])
+        else:
+            workers.run(requests, lambda request, found: finished(request.id, found))
         elapsed = time.monotonic() - started
+    for batch, found in zip(batches, verdicts):
+        results.extend((t, entry, verdict) for (t, entry, _), verdict in zip(batch, found))
     return {"results": results, "elapsed": elapsed}
 
 
+def _slot_of(tree: _Tree) -> int:
+    assert tree.slot is not None  # trees without one have no work
+    return tree.slot
+
+
 def _print_text(report: dict[str, Any], out: TextIO) -> None:
-    print(f"root {report['root']}: {len(report['trees'])} rank tree(s), {report['threads']} threads", file=out)
+    readers = f"{report['workers']} worker processes" if report["workers"] > 1 else "read in this process"
+    print(f"root {report['root']}: {len(report['trees'])} rank tree(s), {readers}", file=out)
     for t in report["trees"]:
         slot = "unknown" if t["slot_bytes"] is None else f"{t['slot_bytes']} ({t['slot_bytes_source']})"
         print(f"  tree {t['name']}: {t['chunk_files']} chunk files, slot bytes {slot}", file=out)
@@ -396,7 +415,7 @@ def run_verify_cli(argv: Sequence[str], *, out: TextIO | None = None) -> int:
 
 
 def _verify(args: argparse.Namespace, root_fd: int, out: TextIO) -> int:
-    report = verify_root(root_fd, args.root, threads=args.threads, run_filter=args.run, repair=args.repair,
+    report = verify_root(root_fd, args.root, workers=args.workers, run_filter=args.run, repair=args.repair,
                          slot_bytes=args.slot_bytes, tmp_grace_s=args.tmp_grace)
     if args.json:
         _runs.write_json(report, out)

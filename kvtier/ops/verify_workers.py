@@ -1,0 +1,333 @@
+"""Reading and checking chunk files for ``kvtier verify``: in this process, or in worker processes.
+
+Checking one chunk (:func:`check_file`) is the fs tier's own load path,
+:func:`kvtier.tiers.fs_io.load_chunk`: a contained open (:mod:`kvtier.tiers.fs_beneath`: no link
+followed, nothing outside the tree reached), one ``preadv`` of the whole file, the trailer's
+length, version, run/rank identity and key, then the xxh3-64 checksum. The read runs without the
+interpreter lock; the checksum and a few µs of Python per file hold it, so threads of one process
+queue for that lock (2 cores, 256 KiB chunks in the page cache: 4 threads reached 0.55-0.8x of
+a raw parallel read). :class:`VerifyWorkers` spreads the files over worker processes instead,
+each with its own interpreter: ``python -I`` running :func:`worker_main`, holding the rank trees'
+descriptors (inherited at start, ``pass_fds``), answering :class:`CheckRequest` frames on its
+stdin with :class:`CheckAnswer` frames on its stdout, one file after another into one
+page-aligned buffer per slot size. Before the files are handed out (:meth:`VerifyWorkers.wait_ready`)
+every worker has started and mapped its buffers, so the read-and-check phase measures reading
+and checking; batches are handed out as workers answer, two in flight each.
+
+What comes back is bounded and typed like any input: a frame header's length is capped, the
+payload is decoded by msgspec into :class:`CheckAnswer` (never unpickled), every verdict must be
+one of :data:`VERDICTS`, and an answer must carry the id of the oldest request sent to that worker
+and one verdict per file of it; anything else, or a worker that dies, fails the whole check with
+``OSError`` and every worker is killed. Workers read and check only: nothing is removed by them,
+and no byte they read leaves them. They die with the parent (``PR_SET_PDEATHSIG`` on Linux;
+elsewhere at their next write), run in their own session and ignore ``SIGINT`` (a terminal's ^C
+is the parent's to handle: it kills them).
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import mmap
+import os
+import selectors
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from typing import Annotated
+
+import msgspec
+
+from kvtier.tiers import fs_beneath, fs_io
+from kvtier.tiers.fs_scan import FRAME_HEADER
+from kvtier.tiers.integrity import IDENTITY_SIZE, REJECT_REASONS
+from kvtier.tiers.worker_io import die_with_parent, import_paths, read_exactly, write_all
+
+__all__ = ["VERDICTS", "check_file", "slot_buffer", "CheckRequest", "CheckAnswer", "VerifyWorkers", "worker_main"]
+
+#: What checking a file can find: ``None`` (a valid chunk), ``"vanished"`` (it was removed
+#: meanwhile: not a problem) or a rejection reason. Answers carry indexes into this tuple.
+VERDICTS: tuple[str | None, ...] = (None, "vanished", *REJECT_REASONS)
+_CODE = {verdict: i for i, verdict in enumerate(VERDICTS)}
+
+_MAX_REQUEST_BYTES = 64 << 20
+_MAX_ANSWER_BYTES = 1 << 20  # an answer is ~1 byte per file; requests hold far fewer files than this
+_MAX_FILES = 1 << 16  # per request
+_STDERR_KEPT = 4096  # of a dead worker's stderr, for the error message
+_BOOT = ("import sys; sys.path[:0] = sys.argv[3:]; "
+         "from kvtier.ops.verify_workers import worker_main; worker_main(sys.argv[1:3])")
+
+_Verdict = Annotated[int, msgspec.Meta(ge=0, lt=len(VERDICTS))]
+_Identity = Annotated[bytes, msgspec.Meta(min_length=IDENTITY_SIZE, max_length=IDENTITY_SIZE)]
+
+
+class CheckRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """Check these files of one rank tree against their identities."""
+
+    id: Annotated[int, msgspec.Meta(ge=0)]
+    tree: Annotated[int, msgspec.Meta(ge=0)]  # index into the worker's tree descriptors
+    slot_bytes: Annotated[int, msgspec.Meta(gt=0)]
+    files: Annotated[list[tuple[str, _Identity]], msgspec.Meta(max_length=_MAX_FILES)]  # relpath, identity
+
+
+class CheckAnswer(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """The verdicts of request ``id``'s files, in its order (indexes into :data:`VERDICTS`)."""
+
+    id: int
+    verdicts: Annotated[list[_Verdict], msgspec.Meta(max_length=_MAX_FILES)]
+
+
+#: What a worker answers once it has started (and imported its code), before any request.
+_STARTED = CheckRequest(-1, 0, 1, [])
+
+
+def check_file(tree_fd: int, relpath: str, buf: memoryview, chunk_identity: bytes) -> str | None:
+    """Read chunk file ``relpath`` beneath ``tree_fd`` into ``buf`` (one slot) and check it; a
+    verdict of :data:`VERDICTS`. An unreadable file (``EIO``) is ``short``: as good as truncated."""
+    try:
+        return fs_io.load_chunk(tree_fd, relpath, buf, chunk_identity, o_direct=False).reason
+    except FileNotFoundError:
+        return "vanished"
+    except OSError:
+        return "short"
+
+
+def slot_buffer(buffers: dict[int, memoryview], slot_bytes: int) -> memoryview:
+    """The reader's buffer of ``slot_bytes`` from ``buffers`` (made on first use)."""
+    buf = buffers.get(slot_bytes)
+    if buf is None:
+        # Page aligned (an anonymous mapping), as the tier's slots are; kept for the reader's life.
+        buf = buffers[slot_bytes] = memoryview(mmap.mmap(-1, slot_bytes))
+        buf[:] = bytes(slot_bytes)  # its pages mapped now, not during the first file's read
+    return buf
+
+
+# ------------------------------------------------------------------------------------------------
+# The parent's side
+# ------------------------------------------------------------------------------------------------
+
+
+def _import_paths() -> list[str]:
+    """Where this process found kvtier and what a worker imports (it runs isolated, ``-I``)."""
+    import anyio
+    import xxhash
+
+    import kvtier
+
+    return import_paths(kvtier, msgspec, xxhash, anyio)
+
+
+class _Worker:
+    """One worker process, its pipes and the requests it has not answered yet."""
+
+    def __init__(self, tree_fds: Sequence[int]) -> None:
+        if not sys.executable:
+            raise OSError(errno.ENOENT, "no Python executable to start verify workers (use --workers 1)")
+        fds = ",".join(str(fd) for fd in tree_fds)
+        command = [sys.executable, "-I", "-c", _BOOT, fds, str(os.getpid()), *_import_paths()]
+        try:
+            self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, pass_fds=tuple(tree_fds),
+                                            start_new_session=True)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot start a verify worker ({sys.executable}): {exc.strerror or exc}") from exc
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.stdin = self.process.stdin.fileno()
+        self.stdout = self.process.stdout.fileno()
+        self.pid = self.process.pid
+        # Sent, not answered yet, in order; the first answer says the worker started.
+        self.pending: collections.deque[CheckRequest] = collections.deque([_STARTED])
+        self._buffer = bytearray()
+
+    def send(self, request: CheckRequest, frame: bytes) -> None:
+        self.pending.append(request)
+        try:
+            write_all(self.stdin, frame)
+        except OSError as exc:  # EPIPE: it died
+            raise OSError(errno.EPIPE, self.death()) from exc
+
+    def receive(self) -> list[CheckAnswer]:
+        """Read what the worker wrote (one ``read``, blocking until there is something) and return
+        the answers it completes. ``OSError`` when it died or sent something malformed."""
+        data = os.read(self.stdout, 1 << 16)
+        if not data:
+            raise OSError(errno.EPIPE, self.death())
+        self._buffer += data
+        answers = []
+        while len(self._buffer) >= FRAME_HEADER.size:
+            (length,) = FRAME_HEADER.unpack_from(self._buffer)
+            if length > _MAX_ANSWER_BYTES:
+                raise OSError(errno.EPROTO, f"verify worker {self.pid} sent a frame of {length} bytes")
+            end = FRAME_HEADER.size + length
+            if len(self._buffer) < end:
+                break
+            payload = bytes(self._buffer[FRAME_HEADER.size:end])
+            del self._buffer[:end]
+            try:
+                answers.append(_DECODER.decode(payload))
+            except msgspec.MsgspecError as exc:
+                raise OSError(errno.EPROTO, f"verify worker {self.pid} sent a bad answer: {exc}") from None
+        return answers
+
+    def match(self, answer: CheckAnswer) -> CheckRequest:
+        """The request ``answer`` answers (they come back in order), checked against it."""
+        expected = self.pending.popleft() if self.pending else None
+        if expected is None or answer.id != expected.id or len(answer.verdicts) != len(expected.files):
+            raise OSError(errno.EPROTO, f"verify worker {self.pid} sent an answer to no request sent to it "
+                                        f"(id {answer.id}, {len(answer.verdicts)} verdicts)")
+        return expected
+
+    def death(self) -> str:
+        """Why the worker stopped answering: its exit status and the end of its stderr."""
+        try:
+            status: int | None = self.process.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            status = None
+        tail = b""
+        if status is not None and self.process.stderr is not None:
+            tail = self.process.stderr.read()[-_STDERR_KEPT:]
+        last = tail.decode(errors="replace").strip().splitlines()[-1:] or [""]
+        return f"verify worker {self.pid} exited (status {status}){': ' + last[0] if last[0] else ''}"
+
+    def close(self) -> None:
+        """Let the worker end (end of its stdin) and reap it; kill it if it does not."""
+        try:
+            self.process.stdin.close()  # type: ignore[union-attr]
+            self.process.wait(timeout=5.0)
+        except (OSError, subprocess.TimeoutExpired):
+            self.kill()
+        self._close_pipes()
+
+    def kill(self) -> None:
+        if self.process.returncode is None:
+            try:
+                self.process.kill()
+            except ProcessLookupError:
+                pass
+            self.process.wait()
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        for pipe in (self.process.stdin, self.process.stdout, self.process.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+class VerifyWorkers:
+    """``size`` worker processes checking files of the trees open at ``tree_fds``.
+
+    Use as a context manager: leaving it normally ends the workers (end of their stdin), leaving
+    it with an exception kills them. Starting them returns at once; :meth:`wait_ready` waits
+    until every one has imported its code (~0.1 s: overlap it with other work) and mapped its
+    buffers."""
+
+    def __init__(self, tree_fds: Sequence[int], size: int) -> None:
+        self.size = size
+        self._workers: list[_Worker] = []
+        try:
+            for _ in range(size):
+                self._workers.append(_Worker(tree_fds))
+        except BaseException:
+            self._kill_all()
+            raise
+
+    def __enter__(self) -> VerifyWorkers:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            for worker in self._workers:
+                worker.close()
+        else:
+            self._kill_all()
+
+    def _kill_all(self) -> None:
+        for worker in self._workers:
+            worker.kill()
+
+    def wait_ready(self, slot_sizes: Sequence[int]) -> None:
+        """Block until every worker has started (its first answer says so) and made its buffer
+        of each of ``slot_sizes`` (an empty request of that size)."""
+        for worker in self._workers:
+            for slot_bytes in slot_sizes:
+                worker.send(*self.prepare([CheckRequest(0, 0, slot_bytes, [])])[0])
+        for worker in self._workers:
+            while worker.pending:
+                for answer in worker.receive():
+                    worker.match(answer)
+
+    @staticmethod
+    def prepare(requests: Sequence[CheckRequest]) -> list[tuple[CheckRequest, bytes]]:
+        """Each request with its frame, encoded ahead of :meth:`run`."""
+        out = []
+        for request in requests:
+            payload = _ENCODER.encode(request)
+            out.append((request, FRAME_HEADER.pack(len(payload)) + payload))
+        return out
+
+    def run(self, requests: Sequence[tuple[CheckRequest, bytes]],
+            done: Callable[[CheckRequest, list[str | None]], None], *, in_flight: int = 2) -> None:
+        """Check every request's files (``requests`` from :meth:`prepare`); ``done(request,
+        verdicts)`` for each, on this thread, as answers arrive. Each worker has up to
+        ``in_flight`` requests queued, so it reads while its last answer travels. Raises
+        ``OSError`` when a worker dies or answers out of protocol."""
+        queue = collections.deque(requests)
+        with selectors.DefaultSelector() as selector:
+            for worker in self._workers:
+                selector.register(worker.stdout, selectors.EVENT_READ, worker)
+                while queue and len(worker.pending) < in_flight:
+                    worker.send(*queue.popleft())
+            busy = sum(len(w.pending) for w in self._workers)
+            while busy:
+                for key, _ in selector.select():
+                    worker = key.data
+                    for answer in worker.receive():
+                        request = worker.match(answer)
+                        busy -= 1
+                        if request is not _STARTED:
+                            done(request, [VERDICTS[code] for code in answer.verdicts])
+                        if queue:
+                            worker.send(*queue.popleft())
+                            busy += 1
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(CheckAnswer)
+
+
+# ------------------------------------------------------------------------------------------------
+# The worker process
+# ------------------------------------------------------------------------------------------------
+
+
+def worker_main(argv: list[str]) -> None:
+    """A verify worker: ``argv`` = [the tree descriptors, comma separated; the parent's pid].
+    Answers :data:`_STARTED` at once, then each :class:`CheckRequest` frame on stdin with a
+    :class:`CheckAnswer` frame on stdout; exits at the end of stdin, or when its parent dies."""
+    tree_fds, parent = [int(fd) for fd in argv[0].split(",")], int(argv[1])
+    die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the parent's to handle
+    decoder = msgspec.msgpack.Decoder(CheckRequest)
+    buffers: dict[int, memoryview] = {}
+    fs_beneath.has_openat2()  # probed now, part of starting, not of the first file's check
+
+    def answer(request_id: int, verdicts: list[int]) -> None:
+        payload = _ENCODER.encode(CheckAnswer(request_id, verdicts))
+        write_all(1, FRAME_HEADER.pack(len(payload)) + payload)
+
+    answer(_STARTED.id, [])
+    while True:
+        header = read_exactly(0, FRAME_HEADER.size)
+        if header is None:
+            return
+        (length,) = FRAME_HEADER.unpack(header)
+        if length > _MAX_REQUEST_BYTES:
+            raise ValueError(f"a verify request of {length} bytes")
+        payload = read_exactly(0, length)
+        if payload is None:
+            return
+        request = decoder.decode(payload)
+        tree_fd = tree_fds[request.tree]
+        buf = slot_buffer(buffers, request.slot_bytes)
+        answer(request.id, [_CODE[check_file(tree_fd, relpath, buf, identity)] for relpath, identity in request.files])
