@@ -100,8 +100,8 @@ async def test_workers_find_what_a_walk_on_a_thread_finds(tmp_path: Path, tree: 
 @pytest.mark.anyio
 @pytest.mark.parametrize("turns", [True, False])
 async def test_workers_take_turns_with_the_loop(tmp_path: Path, tree: int, turns: bool) -> None:
-    """While a batch is being applied, no request goes out (the workers wait for the loop), unless
-    the caller asked for no turns (an operator command)."""
+    """While a batch is being applied, no request goes out and no worker walks (the workers wait
+    for the loop), unless the caller asked for no turns (an operator command)."""
     make_chunks(tmp_path, 60)
     plan = PassPlan(list_root(tree, None), LeafMtimes(), tmp_grace_s=None, tops_per_request=1, budget=8)
     requested: list[int] = []

@@ -13,9 +13,9 @@ tree's descriptor (passed at start; it walks it with the same no-follow rules) a
 Workers start on a tier's first big pass and are kept for the next ones; a worker whose pass was
 cut short (cancelled, failed) is killed, and one that dies is replaced at the next pass. They die
 with the engine (``PR_SET_PDEATHSIG`` on Linux; on other systems at their next write). Two
-workers walk in parallel where two cores are usable, in turns with the loop: a worker is sent
-its next request only when the loop has applied every batch received (a busy loop on the
-workers' cores would lose them for whole scheduler ticks, see :class:`_Gate`). A start-up scan
+workers walk in parallel where two cores are usable, in turns with the loop: they walk while it
+waits, and wait while it applies what they found (a busy loop on the workers' cores would lose
+them for whole scheduler ticks, see :class:`_Turns`). A start-up scan
 then takes about 1.2 times one thread's bare ``os.scandir`` + ``stat`` walk of the tree.
 """
 
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import subprocess
 import sys
@@ -146,37 +147,55 @@ class ScanWorker:
             await self._process.aclose()
 
 
-class _Gate:
-    """Frames received and not yet applied. A worker is sent its next request only when there
-    are none: workers walk while the loop waits, and wait while it applies.
+class _Turns:
+    """Workers and the loop taking turns: a worker is sent its next request only when no batch
+    waits to be applied, and a batch is applied only when no worker is walking. So the workers
+    walk while the loop waits, and the loop applies while they wait.
 
     Even at ``SCHED_IDLE``, a worker on the loop's core takes that core for whole scheduler ticks
     (4 ms at 250 Hz) once the loop has run more than its fair share, which a loop applying batches
     back to back soon has (Linux's EEVDF picks the eligible task; traced with ``sched_switch``).
     With two workers walking while the loop applied, the loop lost its core ~27 times a second
-    during a start-up scan of 10^6 files; taking turns, a few times. A loop that only wakes up
-    (timers, transfers) preempts a worker at once. A gate that never ``closes`` lets every
-    worker go on (a caller with no loop to keep responsive)."""
+    during a start-up scan of 10^6 files. A loop that only wakes up (timers, transfers) preempts a
+    worker at once. Without ``strict`` (a caller with no loop to keep responsive) nobody waits."""
 
-    def __init__(self, closes: bool) -> None:
-        self._queued = 0
-        self._closes = closes
-        self._open = anyio.Event()
-        self._open.set()
+    def __init__(self, strict: bool) -> None:
+        self._strict = strict
+        self._queued = 0  # batches received, not applied yet
+        self._walking = 0  # requests sent, not answered in full yet
+        self._may_send = anyio.Event()
+        self._may_send.set()
+        self._may_apply = anyio.Event()
+        self._may_apply.set()
 
-    def add(self) -> None:
+    async def send(self) -> None:
+        """Before a request goes out."""
+        while self._strict and not self._may_send.is_set():
+            await self._may_send.wait()
+        self._walking += 1
+        if self._may_apply.is_set():
+            self._may_apply = anyio.Event()
+
+    def received(self) -> None:
         self._queued += 1
-        if self._closes and self._open.is_set():
-            self._open = anyio.Event()
+        if self._may_send.is_set():
+            self._may_send = anyio.Event()
 
-    def done(self) -> None:
+    def ended(self) -> None:
+        """A request was answered in full (or its worker failed)."""
+        self._walking -= 1
+        if not self._walking:
+            self._may_apply.set()
+
+    async def apply(self) -> None:
+        """Before a batch is applied."""
+        while self._strict and not self._may_apply.is_set():
+            await self._may_apply.wait()
+
+    def applied(self) -> None:
         self._queued -= 1
         if not self._queued:
-            self._open.set()
-
-    async def wait(self) -> None:
-        while not self._open.is_set():
-            await self._open.wait()
+            self._may_send.set()
 
 
 class ScanWorkers:
@@ -196,8 +215,8 @@ class ScanWorkers:
     async def walk(self, dir_fd: int, plan: PassPlan, *, due: Callable[[int], float] | None,
                    apply: Callable[[ScanBatch], Awaitable[None]], turns: bool = True) -> None:
         """Run ``plan``'s requests on the workers (request ``i`` not before ``due(i)``, monotonic);
-        ``apply`` each batch on this task as it arrives. A worker has one request at a time, sent
-        when no batch waits to be applied (:class:`_Gate`), unless ``turns`` is false: a caller
+        ``apply`` each batch on this task as it arrives. A worker has one request at a time;
+        workers and this task take turns (:class:`_Turns`), unless ``turns`` is false: a caller
         with no event loop to keep responsive (an operator command) applies while workers walk.
         Raises OSError when a worker fails or dies; ``apply``'s exceptions propagate; the
         workers of a pass cut short are killed."""
@@ -205,10 +224,12 @@ class ScanWorkers:
         if not count:
             return
         next_request = 0
-        gate = _Gate(turns)
+        taking = _Turns(turns)
         # Frames go to this task undecoded: decoding one (~0.3 ms) and applying it (slices of
         # ~1 ms) are then separate turns of the loop, never several workers' decodes in one turn.
-        send, receive = anyio.create_memory_object_stream[tuple[ScanWorker, bytes] | Exception](2 * self.size)
+        # Unbounded: a worker's frames wait here until its request is answered in full (taking
+        # turns), at most one request's worth per worker.
+        send, receive = anyio.create_memory_object_stream[tuple[ScanWorker, bytes] | Exception](math.inf)
 
         def claim() -> int | None:
             nonlocal next_request
@@ -219,22 +240,27 @@ class ScanWorkers:
 
         async def drive(out: anyio.abc.ObjectSendStream[tuple[ScanWorker, bytes] | Exception]) -> None:
             worker: ScanWorker | None = None
-            clean = False
+            clean = walking = False
             async with out:
                 try:
                     worker = await self._take(dir_fd)
                     while (i := claim()) is not None:
                         if due is not None:
                             await anyio.sleep(max(0.0, due(i) - time.monotonic()))
-                        await gate.wait()
+                        await taking.send()
+                        walking = True
                         await worker.send(plan.request(i))
-                        end = False
-                        while not end:
+                        while walking:
                             end, payload = await worker.receive_frame()
-                            gate.add()
+                            taking.received()
+                            if end:
+                                walking = False
+                                taking.ended()
                             await out.send((worker, payload))
                     clean = True
                 except Exception as exc:
+                    if walking:
+                        taking.ended()  # so that batches already received are not held for it
                     with contextlib.suppress(anyio.BrokenResourceError):  # the pass already ended
                         await out.send(exc)
                 finally:
@@ -254,9 +280,10 @@ class ScanWorkers:
                         batch = item[0].decode(item[1])
                         if batch.error:
                             raise OSError(batch.errno or errno.EIO, f"scan worker: {batch.error}")
+                        await taking.apply()
                         await anyio.lowlevel.checkpoint()
                         await apply(batch)
-                        gate.done()
+                        taking.applied()
             except Exception as exc:  # re-raised below, outside the group, so it is not wrapped
                 failure = exc
                 tg.cancel_scope.cancel()
