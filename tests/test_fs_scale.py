@@ -356,3 +356,32 @@ async def test_an_older_listing_does_not_shrink_a_chunk_rewritten_since(tmp_path
         stale = LeafListing(*leaf_of(key), listed_at, [(key, FILE - 4096, time.time() - 5)])
         tier._apply_leaf(stale, False, [])
         assert tier.index.size_of(key) == os.path.getsize(tier.namespace.chunk_path(key)) == FILE
+
+
+@pytest.mark.anyio
+async def test_an_unreadable_directory_is_skipped_with_a_warning_and_its_chunks_kept(
+    tmp_path: Path, host: SlotBuffer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A directory the tier may not read (another user's, mode 0700) fails no pass: the pass goes
+    on, says so, and keeps what the index knew of it. (Walked on a thread: the denial is a patch of
+    this process; tests run as root, which permissions do not stop.)"""
+    await fill_tree(tmp_path, host, range(16))
+    tier = make_tier(tmp_path, host, rescan_interval_s=3600)
+    async with running(tier):
+        assert len(tier.index) == 16
+        leaf_dir = Path(tier.namespace.chunk_path(key_of(3))).parent
+        from kvtier.tiers import fs_scan
+
+        real = fs_scan.open_dir
+
+        def open_dir(parent_fd: int, name: str) -> int | None:
+            if name == leaf_dir.name:
+                raise PermissionError(13, "Permission denied", name)
+            return real(parent_fd, name)
+
+        monkeypatch.setattr(fs_scan, "open_dir", open_dir)
+        tier._mtimes.invalidate(*leaf_of(key_of(3)))  # listed again by the next pass
+        with caplog.at_level("WARNING", logger="kvtier.tiers.fs"):
+            await tier.rescan()
+        assert "could not be read (permission denied)" in caplog.text
+        assert key_of(3) in tier.index and len(tier.index) == 16
