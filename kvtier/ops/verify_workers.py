@@ -40,9 +40,8 @@ from typing import Annotated
 import msgspec
 
 from kvtier.tiers import fs_beneath, fs_io
-from kvtier.tiers.fs_scan import FRAME_HEADER
 from kvtier.tiers.integrity import IDENTITY_SIZE, REJECT_REASONS
-from kvtier.tiers.worker_io import die_with_parent, import_paths, read_exactly, write_all
+from kvtier.tiers.worker_io import FRAME_HEADER, die_with_parent, import_paths, requests, write_all
 
 __all__ = ["VERDICTS", "check_file", "slot_buffer", "CheckRequest", "CheckAnswer", "VerifyWorkers", "worker_main"]
 
@@ -317,17 +316,7 @@ def worker_main(argv: list[str]) -> None:
         write_all(1, FRAME_HEADER.pack(len(payload)) + payload)
 
     answer(_STARTED.id, [])
-    while True:
-        header = read_exactly(0, FRAME_HEADER.size)
-        if header is None:
-            return
-        (length,) = FRAME_HEADER.unpack(header)
-        if length > _MAX_REQUEST_BYTES:
-            raise ValueError(f"a verify request of {length} bytes")
-        payload = read_exactly(0, length)
-        if payload is None:
-            return
-        request = decoder.decode(payload)
+    for request in requests(decoder, max_bytes=_MAX_REQUEST_BYTES):
         tree_fd = tree_fds[request.tree]
         buf = slot_buffer(buffers, request.slot_bytes)
         answer(request.id, [_CODE[check_file(tree_fd, relpath, buf, identity)] for relpath, identity in request.files])

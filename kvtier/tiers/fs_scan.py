@@ -38,7 +38,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from kvtier.tiers.worker_io import die_with_parent, read_exactly, write_all
+from kvtier.tiers.worker_io import FRAME_HEADER, die_with_parent, requests, write_all
 
 __all__ = [
     "MAX_KEY_BYTES", "PROBE_PREFIX", "TOPS", "DIR1", "DIR2", "TMP", "PROBE_NAME", "DIR_FLAGS",
@@ -580,8 +580,6 @@ def walk_tree(dir_fd: int, mtimes: LeafMtimes, *, tmp_grace_s: float | None, bud
 # The scan worker process
 # ------------------------------------------------------------------------------------------------
 
-#: A request on a worker's stdin is this header (the payload's length) and a msgpack payload.
-FRAME_HEADER = struct.Struct(">I")
 #: A batch on its stdout: the payload's length and whether it ends its request (read undecoded).
 BATCH_HEADER = struct.Struct(">I?")
 _MAX_REQUEST_BYTES = 64 << 20
@@ -604,17 +602,7 @@ def worker_main(argv: list[str]) -> None:
         write_all(1, BATCH_HEADER.pack(len(payload), batch.end) + payload)
 
     mark = time.process_time()
-    while True:
-        header = read_exactly(0, FRAME_HEADER.size)
-        if header is None:
-            return
-        (length,) = FRAME_HEADER.unpack(header)
-        if length > _MAX_REQUEST_BYTES:
-            raise ValueError(f"a scan request of {length} bytes")
-        payload = read_exactly(0, length)
-        if payload is None:
-            return
-        request = decoder.decode(payload)
+    for request in requests(decoder, max_bytes=_MAX_REQUEST_BYTES):
         try:
             for batch in walk_tops(dir_fd, request, clock=time.process_time):
                 # All the CPU this process took since the last batch (decoding, encoding, writing).

@@ -9,10 +9,19 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import struct
 import sys
+from collections.abc import Iterator
 from types import ModuleType
+from typing import TypeVar
 
-__all__ = ["import_paths", "die_with_parent", "read_exactly", "write_all"]
+import msgspec
+
+__all__ = ["FRAME_HEADER", "import_paths", "die_with_parent", "requests", "read_exactly", "write_all"]
+
+#: A request on a worker's stdin is this header (the payload's length) and a msgpack payload.
+FRAME_HEADER = struct.Struct(">I")
+_T = TypeVar("_T")
 
 
 def import_paths(*modules: ModuleType) -> list[str]:
@@ -55,3 +64,19 @@ def write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+def requests(decoder: msgspec.msgpack.Decoder[_T], *, max_bytes: int) -> Iterator[_T]:
+    """The requests a worker reads on its stdin (:data:`FRAME_HEADER` and a msgpack payload of at
+    most ``max_bytes``), decoded, until stdin ends (the parent closed it, or died)."""
+    while True:
+        header = read_exactly(0, FRAME_HEADER.size)
+        if header is None:
+            return
+        (length,) = FRAME_HEADER.unpack(header)
+        if length > max_bytes:
+            raise ValueError(f"a request of {length} bytes (at most {max_bytes})")
+        payload = read_exactly(0, length)
+        if payload is None:
+            return
+        yield decoder.decode(payload)
