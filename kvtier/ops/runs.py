@@ -125,12 +125,6 @@ class TreeListing:
     tmp: list[FileEntry] = field(default_factory=list)
     stray: list[FileEntry] = field(default_factory=list)
 
-    def extend(self, other: TreeListing) -> None:
-        self.chunks.extend(other.chunks)
-        self.unsafe.extend(other.unsafe)
-        self.tmp.extend(other.tmp)
-        self.stray.extend(other.stray)
-
 
 def write_json(report: dict[str, Any], out: TextIO) -> None:
     """An operator command's ``--json`` output: one indented document with sorted keys."""

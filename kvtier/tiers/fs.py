@@ -111,8 +111,8 @@ EVICTION_POLICIES: tuple[str, ...] = ("lru",)
 _MAX_CONFIG_JSON_BYTES = 1 << 20
 #: Entries a scan batch holds (whole top directories: ~0.3 ms to decode, ~1 ms to apply).
 _SCAN_STEP_ENTRIES = 1024
-#: Top directories per walk request (~240 entries each on a tree of 10^6 chunk files): a worker
-#: walks while the loop waits for its batch, not while the loop applies (see fs_scan_workers._Turns).
+#: Top directories per walk request (~240 entries each on a tree of 10^6 chunk files): workers walk
+#: while the loop waits, the loop applies while they wait (see fs_scan_workers._Turns).
 _TOPS_PER_REQUEST = 1
 #: ... and per request of a paced re-sync, which applies little: each request wakes a worker and
 #: the loop, ~0.9 ms of CPU per request at one top each (a pass of 4096 requests cost twice an

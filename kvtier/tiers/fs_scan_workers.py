@@ -15,8 +15,8 @@ cut short (cancelled, failed) is killed, and one that dies is replaced at the ne
 with the engine (``PR_SET_PDEATHSIG`` on Linux; on other systems at their next write). Two
 workers walk in parallel where two cores are usable, in turns with the loop: they walk while it
 waits, and wait while it applies what they found (a busy loop on the workers' cores would lose
-them for whole scheduler ticks, see :class:`_Turns`). A start-up scan
-then takes about 1.2 times one thread's bare ``os.scandir`` + ``stat`` walk of the tree.
+them for whole scheduler ticks, see :class:`_Turns`). A start-up scan of 10^6 chunk files
+then took 1.35-1.45 times one thread's bare ``os.scandir`` + ``stat`` walk of the tree (2 cores).
 """
 
 from __future__ import annotations
