@@ -30,7 +30,7 @@ multiple of 4096) is not checked: its files count as ``unchecked`` problems, nev
 Readers: ``--workers N`` (default: the usable cores; it replaces ``--threads``). With N > 1
 the files are checked by N worker processes (:mod:`kvtier.ops.verify_workers`), each with its
 own interpreter lock: the checksum and the per-file Python hold that lock, so threads of one
-process queued for it (0.55-0.8x of a raw parallel read on 2 cores); workers reach ~0.9x of the
+process queued for it (0.55-0.8x of a raw parallel read on 2 cores); workers reach ~0.8x of the
 fastest raw read (``benchmarks/verify.py``). With N = 1 this process checks every file itself
 and starts nothing. Either way each reader reads one file after another into its own
 page-aligned buffer of one slot (an anonymous ``mmap``), and the verdicts are the same. Workers
