@@ -30,21 +30,25 @@ multiple of 4096) is not checked: its files count as ``unchecked`` problems, nev
 Readers: ``--workers N`` (default: the usable cores; it replaces ``--threads``). With N > 1
 the files are checked by N worker processes (:mod:`kvtier.ops.verify_workers`), each with its
 own interpreter lock: the checksum and the per-file Python hold that lock, so threads of one
-process queued for it (0.55-0.8x of a raw parallel read on 2 cores); workers reach ~0.8x of the
-fastest raw read (``benchmarks/verify.py``). With N = 1 this process checks every file itself
-and starts nothing. Either way each reader reads one file after another into its own
-page-aligned buffer of one slot (an anonymous ``mmap``), and the verdicts are the same. Workers
-start (~0.1 s) while the trees are listed; the GiB/s printed is file bytes read over the time of
-the read-and-check phase (listing and worker start-up excluded); progress (chunks, GiB/s) goes to
-stderr when it is a terminal. ``--repair`` removes files in this process, after every file was
-checked: a check that fails (a worker died) removes nothing.
+process queued for it (0.55-0.8x of a raw parallel read on 2 cores). With N = 1 this process
+checks every file itself and starts no process. Either way each reader checks a file the page
+cache holds at once, into its own page-aligned buffer of one slot, with a read that may not wait
+(``RWF_NOWAIT``), and hands a file that would wait for the storage to its threads:
+``--io-depth`` (default 32) reads in flight over all readers, what a disk or NFS needs to
+deliver its bandwidth (:class:`kvtier.ops.verify_workers.Checker`). The verdicts are the same
+whichever reads a file. Workers start (~0.1 s) while the trees are listed; the GiB/s printed is
+file bytes read over the time of the read-and-check phase (listing and worker start-up
+excluded); progress (chunks, GiB/s) goes to stderr when it is a terminal. ``--repair`` removes
+files in this process, after every file was checked: a check that fails (a worker died) removes
+nothing. ``benchmarks/verify.py`` compares the read-and-check phase with raw reads of the same
+files (see its docstring and ``docs/operators.md`` for what it measured).
 
 Exit status: 0 no problems (or all repaired), 1 problems found and not repaired (or the check
 could not finish: a worker died or broke protocol; the error line says which), 2 usage errors.
 
 ``--json`` prints one document::
 
-    {"root": str, "workers": int, "repair": bool,  # the readers (--workers)
+    {"root": str, "workers": int, "io_depth": int, "repair": bool,  # --workers, --io-depth
      "files_checked": int, "bytes_read": int, "elapsed_s": float, "gib_per_s": float,
      "ok": int, "vanished": int, "tmp_in_progress": int,
      "unchecked": int,                        # chunk files of trees with no usable slot size
@@ -62,18 +66,19 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import os
 import struct
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TextIO
 
 from kvtier.layout import Namespace
 from kvtier.ops import runs as _runs
 from kvtier.ops.runs import Progress, discover, format_bytes, list_tree, run_on_root
-from kvtier.ops.verify_workers import CheckRequest, VerifyWorkers, check_file, slot_buffer
+from kvtier.ops.verify_workers import VERDICTS, Checker, CheckRequest, VerifyWorkers
 from kvtier.tiers import fs_beneath, fs_io
 from kvtier.tiers.integrity import MAGIC, TRAILER_PAGE, identity
 
@@ -85,7 +90,8 @@ REASONS: tuple[str, ...] = (
 )
 _NOT_PROBLEMS = frozenset({"unverified"})
 _TAIL = struct.Struct("<4sHHQQ8x")
-_BATCH = 32  # files per batch at most
+_BATCH = 1024  # files per batch at most
+_IO_DEPTH = 32  # reads in flight (all readers) for files not in the page cache: NVMe and NFS want many
 
 _EPILOG = """\
 exit status:
@@ -110,8 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repair", action="store_true",
                         help="remove corrupt, misplaced and stray files (never trailer-less vLLM files)")
     parser.add_argument("--json", action="store_true", help="print one JSON document (schema: module docstring)")
-    parser.add_argument("--workers", type=_workers_arg, default=fs_io.usable_cpus(), metavar="N",
+    parser.add_argument("--workers", type=_bounded_int("workers", 1, 1024), default=fs_io.usable_cpus(), metavar="N",
                         help="readers: N worker processes, 1 = this process alone (the usable cores)")
+    parser.add_argument("--io-depth", type=_bounded_int("io-depth", 1, 4096), default=_IO_DEPTH, metavar="N",
+                        help="reads in flight, over all readers, for files not in the page cache (cached files "
+                             "are checked without waiting)")
     parser.add_argument("--slot-bytes", type=_runs.size_arg, default=None, metavar="BYTES",
                         help="slot size of every run (e.g. 256KiB); read from the trailers when not given")
     parser.add_argument("--tmp-grace", type=float, default=3600.0, metavar="SECONDS",
@@ -119,14 +128,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _workers_arg(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not 1 <= value <= 1024:
-        raise argparse.ArgumentTypeError(f"workers must be in 1..1024, got {value}")
-    return value
+def _bounded_int(name: str, low: int, high: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{name} must be in {low}..{high}, got {value}")
+        return value
+    return parse
 
 
 @dataclass(slots=True)
@@ -140,6 +151,9 @@ class _Tree:
     slot: int | None
     slot_source: str | None
     listing: _runs.TreeListing
+
+
+_Work = tuple[_Tree, _runs.FileEntry, bytes]  # a chunk file to check, with its identity
 
 
 def _slot_from_trailers(tree_fd: int, listing: _runs.TreeListing) -> int | None:
@@ -177,11 +191,12 @@ def _raw_slot_guess(sizes: list[int]) -> int | None:
     return top if top > 0 and top % TRAILER_PAGE == 0 else None
 
 
-def verify_root(root_fd: int, root: str, *, workers: int, run_filter: str | None = None, repair: bool = False,
-                slot_bytes: int | None = None, tmp_grace_s: float = 3600.0,
+def verify_root(root_fd: int, root: str, *, workers: int, io_depth: int = _IO_DEPTH, run_filter: str | None = None,
+                repair: bool = False, slot_bytes: int | None = None, tmp_grace_s: float = 3600.0,
                 progress_stream: TextIO | None = None) -> dict[str, Any]:
     """Verify (and with ``repair`` clean) ROOT open as ``root_fd``; the ``--json`` document.
-    ``workers``: readers (more than one: worker processes, see the module docstring).
+    ``workers``: readers (more than one: worker processes, see the module docstring);
+    ``io_depth``: reads in flight over all of them for files not in the page cache.
 
     ``ValueError`` when ``run_filter`` matches no run; ``OSError`` when a worker fails."""
     found = discover(root_fd)
@@ -208,7 +223,7 @@ def verify_root(root_fd: int, root: str, *, workers: int, run_filter: str | None
             pool = None
             if workers > 1 and tree_fds:
                 # Started first: they boot (~0.1 s) while the trees are listed.
-                pool = stack.enter_context(VerifyWorkers(tree_fds, workers))
+                pool = stack.enter_context(VerifyWorkers(tree_fds, workers, _depth_per_reader(io_depth, workers)))
             for index, (run, tree) in enumerate(opened):
                 tree_fd = tree_fds[index]
                 listing = list_tree(root_fd, tree.name)
@@ -221,7 +236,7 @@ def verify_root(root_fd: int, root: str, *, workers: int, run_filter: str | None
                     slot, source = _raw_slot_guess([c.size for c in listing.chunks]), "guessed"
                 trees.append(_Tree(index, tree.name, run.name, tree.rank, tree_fd, tree.namespace, slot,
                                    source if slot is not None else None, listing))
-            checked = _check_chunks(trees, pool, progress_stream)
+            checked = _check_chunks(trees, pool, io_depth, progress_stream)
         for t in trees:
             for entry in t.listing.unsafe:
                 problems.append(_problem(t, entry.relpath, "not_regular", entry.size, entry.is_dir))
@@ -264,6 +279,7 @@ def verify_root(root_fd: int, root: str, *, workers: int, run_filter: str | None
         return {
             "root": root,
             "workers": workers,
+            "io_depth": io_depth,
             "repair": repair,
             "files_checked": len(checked["results"]) - vanished - unchecked,
             "unchecked": unchecked,
@@ -303,11 +319,17 @@ def _remove(tree_fd: int, relpath: str) -> bool:
         return False
 
 
-def _check_chunks(trees: list[_Tree], workers: VerifyWorkers | None,
+def _depth_per_reader(io_depth: int, readers: int) -> int:
+    """Each reader's share of ``io_depth`` reads in flight (rounded up: at least one)."""
+    return -(-io_depth // readers)
+
+
+def _check_chunks(trees: list[_Tree], workers: VerifyWorkers | None, io_depth: int,
                   progress_stream: TextIO | None) -> dict[str, Any]:
-    """Read and check every chunk file of ``trees``: on ``workers``, or in this thread when None.
-    ``results`` keep the trees' and listings' order whichever reads them."""
-    work: list[tuple[_Tree, _runs.FileEntry, bytes]] = []
+    """Read and check every chunk file of ``trees``: on ``workers``, or in this process when None
+    (with ``io_depth`` reads in flight for files not in the page cache). ``results`` keep the
+    trees' and listings' order whichever reads them."""
+    work: list[_Work] = []
     results: list[tuple[_Tree, _runs.FileEntry, str | None]] = []
     for t in trees:
         for entry in t.listing.chunks:
@@ -316,14 +338,7 @@ def _check_chunks(trees: list[_Tree], workers: VerifyWorkers | None,
                 results.append((t, entry, "unchecked"))
                 continue
             work.append((t, entry, identity(key, t.namespace.fingerprint)))
-    # Batches of one tree each (a request names one tree and its slot size); at least 8 per
-    # worker, so that the last ones, which some workers wait out idle, are short.
-    size = max(1, min(_BATCH, len(work) // (8 * workers.size))) if workers is not None else _BATCH
-    batches: list[list[tuple[_Tree, _runs.FileEntry, bytes]]] = []
-    for item in work:
-        if not batches or len(batches[-1]) == size or batches[-1][0][0] is not item[0]:
-            batches.append([])
-        batches[-1].append(item)
+    batches = _batches(work, workers.size if workers is not None else 0)
     batch_bytes = [sum(entry.size for _, entry, _ in batch) for batch in batches]
     verdicts: list[list[str | None]] = [[] for _ in batches]
     done = {"files": 0, "bytes": 0}
@@ -350,17 +365,45 @@ def _check_chunks(trees: list[_Tree], workers: VerifyWorkers | None,
     with Progress(render, stream=progress_stream):
         started = time.monotonic()
         if workers is None:
-            buffers: dict[int, memoryview] = {}
-            for number, batch in enumerate(batches):
-                buf = slot_buffer(buffers, _slot_of(batch[0][0]))
-                finished(number, [check_file(t.fd, entry.relpath, buf, chunk_identity)
-                                  for t, entry, chunk_identity in batch])
+            checker = Checker(io_depth)
+            try:
+                for number, batch in enumerate(batches):
+                    checker.submit(batch[0][0].fd, _slot_of(batch[0][0]),
+                                   [(entry.relpath, chunk_identity) for _, entry, chunk_identity in batch],
+                                   functools.partial(_codes_done, finished, number))
+            finally:
+                checker.close()
         else:
             workers.run(requests, lambda request, found: finished(request.id, found))
         elapsed = time.monotonic() - started
     for batch, found in zip(batches, verdicts):
         results.extend((t, entry, verdict) for (t, entry, _), verdict in zip(batch, found))
     return {"results": results, "elapsed": elapsed}
+
+
+def _codes_done(finished: Callable[[int, list[str | None]], None], number: int, codes: list[int]) -> None:
+    finished(number, [VERDICTS[code] for code in codes])
+
+
+def _batches(work: list[_Work], workers: int) -> list[list[_Work]]:
+    """``work`` cut into batches of one tree each (a request names one tree and its slot size).
+
+    For ``workers`` processes the sizes shrink as the work runs out (guided scheduling): a batch
+    holds a (2 x ``workers``)-th of what is left, at most :data:`_BATCH` files, so the parent is
+    woken (~50 µs of its CPU per answer, taken from the workers' cores) a few dozen times for a
+    whole tree, and when the queue empties, what a worker still holds (two batches in flight) is
+    a few files, not milliseconds of them that the others wait out idle. In this process
+    (``workers`` 0) batches only pace the progress display.
+    """
+    batches: list[list[_Work]] = []
+    left, size = len(work), 0
+    for item in work:
+        if not batches or len(batches[-1]) == size or batches[-1][0][0] is not item[0]:
+            size = max(1, min(_BATCH, left // (2 * workers))) if workers else _BATCH
+            batches.append([])
+        batches[-1].append(item)
+        left -= 1
+    return batches
 
 
 def _slot_of(tree: _Tree) -> int:
@@ -415,8 +458,8 @@ def run_verify_cli(argv: Sequence[str], *, out: TextIO | None = None) -> int:
 
 
 def _verify(args: argparse.Namespace, root_fd: int, out: TextIO) -> int:
-    report = verify_root(root_fd, args.root, workers=args.workers, run_filter=args.run, repair=args.repair,
-                         slot_bytes=args.slot_bytes, tmp_grace_s=args.tmp_grace)
+    report = verify_root(root_fd, args.root, workers=args.workers, io_depth=args.io_depth, run_filter=args.run,
+                         repair=args.repair, slot_bytes=args.slot_bytes, tmp_grace_s=args.tmp_grace)
     if args.json:
         _runs.write_json(report, out)
         print(f"kvtier verify: {report['gib_per_s']:.2f} GiB/s", file=sys.stderr)

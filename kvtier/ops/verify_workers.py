@@ -9,10 +9,16 @@ queue for that lock (2 cores, 256 KiB chunks in the page cache: 4 threads reache
 a raw parallel read). :class:`VerifyWorkers` spreads the files over worker processes instead,
 each with its own interpreter: ``python -I`` running :func:`worker_main`, holding the rank trees'
 descriptors (inherited at start, ``pass_fds``), answering :class:`CheckRequest` frames on its
-stdin with :class:`CheckAnswer` frames on its stdout, one file after another into one
-page-aligned buffer per slot size. Before the files are handed out (:meth:`VerifyWorkers.wait_ready`)
-every worker has started and mapped its buffers, so the read-and-check phase measures reading
-and checking; batches are handed out as workers answer, two in flight each.
+stdin with :class:`CheckAnswer` frames on its stdout. Before the files are handed out
+(:meth:`VerifyWorkers.wait_ready`) every worker has started and mapped its buffers, so the
+read-and-check phase measures reading and checking; batches are handed out as workers answer,
+two in flight each.
+
+Every reader (a worker, or this process alone) checks through a :class:`Checker`: a file in the
+page cache is read and checked at once, one after another into one page-aligned buffer per slot
+size, by a read that may not wait; a file that would wait for the storage goes to the reader's
+threads, ``depth`` of them, so a tree on a disk or NFS has reads in flight (a page-cache tree
+never starts one: threads would only queue for the interpreter lock).
 
 What comes back is bounded and typed like any input: a frame header's length is capped, the
 payload is decoded by msgspec into :class:`CheckAnswer` (never unpickled), every verdict must be
@@ -28,13 +34,18 @@ from __future__ import annotations
 
 import collections
 import errno
+import functools
 import mmap
 import os
+import queue
 import selectors
 import signal
 import subprocess
 import sys
+import threading
+import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Annotated
 
 import msgspec
@@ -43,7 +54,8 @@ from kvtier.tiers import fs_beneath, fs_io
 from kvtier.tiers.integrity import IDENTITY_SIZE, REJECT_REASONS
 from kvtier.tiers.worker_io import FRAME_HEADER, die_with_parent, import_paths, requests, write_all
 
-__all__ = ["VERDICTS", "check_file", "slot_buffer", "CheckRequest", "CheckAnswer", "VerifyWorkers", "worker_main"]
+__all__ = ["VERDICTS", "check_file", "slot_buffer", "Checker", "CheckRequest", "CheckAnswer", "VerifyWorkers",
+           "worker_main"]
 
 #: What checking a file can find: ``None`` (a valid chunk), ``"vanished"`` (it was removed
 #: meanwhile: not a problem) or a rejection reason. Answers carry indexes into this tuple.
@@ -54,8 +66,8 @@ _MAX_REQUEST_BYTES = 64 << 20
 _MAX_ANSWER_BYTES = 1 << 20  # an answer is ~1 byte per file; requests hold far fewer files than this
 _MAX_FILES = 1 << 16  # per request
 _STDERR_KEPT = 4096  # of a dead worker's stderr, for the error message
-_BOOT = ("import sys; sys.path[:0] = sys.argv[3:]; "
-         "from kvtier.ops.verify_workers import worker_main; worker_main(sys.argv[1:3])")
+_BOOT = ("import sys; sys.path[:0] = sys.argv[4:]; "
+         "from kvtier.ops.verify_workers import worker_main; worker_main(sys.argv[1:4])")
 
 _Verdict = Annotated[int, msgspec.Meta(ge=0, lt=len(VERDICTS))]
 _Identity = Annotated[bytes, msgspec.Meta(min_length=IDENTITY_SIZE, max_length=IDENTITY_SIZE)]
@@ -81,14 +93,19 @@ class CheckAnswer(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 _STARTED = CheckRequest(-1, 0, 1, [])
 
 
-def check_file(tree_fd: int, relpath: str, buf: memoryview, chunk_identity: bytes) -> str | None:
+def check_file(tree_fd: int, relpath: str, buf: memoryview, chunk_identity: bytes, *,
+               nowait: bool = False) -> str | None:
     """Read chunk file ``relpath`` beneath ``tree_fd`` into ``buf`` (one slot) and check it; a
-    verdict of :data:`VERDICTS`. An unreadable file (``EIO``) is ``short``: as good as truncated."""
+    verdict of :data:`VERDICTS`. An unreadable file (``EIO``) is ``short``: as good as truncated.
+    ``nowait``: from the kernel's caches only; ``BlockingIOError`` or ``OSError`` ``EOPNOTSUPP``
+    as :func:`kvtier.tiers.fs_io.load_chunk` raises them (check it without, then)."""
     try:
-        return fs_io.load_chunk(tree_fd, relpath, buf, chunk_identity, o_direct=False).reason
+        return fs_io.load_chunk(tree_fd, relpath, buf, chunk_identity, o_direct=False, nowait=nowait).reason
     except FileNotFoundError:
         return "vanished"
-    except OSError:
+    except OSError as exc:
+        if nowait and (isinstance(exc, BlockingIOError) or exc.errno == errno.EOPNOTSUPP):
+            raise
         return "short"
 
 
@@ -100,6 +117,107 @@ def slot_buffer(buffers: dict[int, memoryview], slot_bytes: int) -> memoryview:
         buf = buffers[slot_bytes] = memoryview(mmap.mmap(-1, slot_bytes))
         buf[:] = bytes(slot_bytes)  # its pages mapped now, not during the first file's read
     return buf
+
+
+@dataclass(slots=True)
+class _Batch:
+    codes: list[int]  # verdict codes, in the batch's order
+    left: int  # files not checked yet
+    done: Callable[[list[int]], None]
+
+
+class Checker:
+    """Checks chunk files for one reader: a verify worker, or this process with ``--workers 1``.
+
+    A file the kernel's caches hold is checked at once, on the thread that submits it
+    (:func:`check_file` with ``nowait``): no thread switch, the one reader holding its
+    interpreter lock. A file that would wait for the storage is queued for up to ``depth``
+    threads (started when first needed) that read it the ordinary way, so a tree on a disk or
+    NFS has ``depth`` reads in flight per reader. Where the kernel or the filesystem cannot read
+    without waiting (:func:`kvtier.tiers.fs_io.load_chunk`), every file goes to the threads.
+
+    :meth:`submit` returns once the cached files of a batch are checked; ``done(codes)`` (indexes
+    into :data:`VERDICTS`, in the batch's order) is called for every batch once all its files
+    are checked, in the order the batches were submitted, one call at a time, on whichever
+    thread checked the last of them. :meth:`close` waits for every batch. A thread that fails
+    unexpectedly (not an ``OSError`` of a file: those are verdicts) calls ``on_error`` with the
+    exception if given (a worker process exits there), and :meth:`close` raises it.
+    """
+
+    def __init__(self, depth: int, on_error: Callable[[BaseException], None] | None = None) -> None:
+        if depth < 1:
+            raise ValueError(f"depth must be at least 1, got {depth}")
+        self._depth = depth
+        self._on_error = on_error
+        self._nowait = True  # until the kernel or filesystem says it cannot
+        self._buffers: dict[int, memoryview] = {}  # the submitting thread's
+        self._queue: queue.SimpleQueue[tuple[_Batch, int, int, int, str, bytes] | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._queued = 0  # files handed to the threads and not checked yet
+        self._lock = threading.Lock()
+        self._order: collections.deque[_Batch] = collections.deque()
+        self._error: BaseException | None = None
+
+    def submit(self, tree_fd: int, slot_bytes: int, files: Sequence[tuple[str, bytes]],
+               done: Callable[[list[int]], None]) -> None:
+        """Check ``files`` (relpath, identity) of the tree open at ``tree_fd``, slots of ``slot_bytes``."""
+        batch = _Batch([0] * len(files), len(files), done)
+        with self._lock:
+            self._order.append(batch)
+        buf = slot_buffer(self._buffers, slot_bytes)
+        checked = 0
+        for i, (relpath, chunk_identity) in enumerate(files):
+            if self._nowait:
+                try:
+                    batch.codes[i] = _CODE[check_file(tree_fd, relpath, buf, chunk_identity, nowait=True)]
+                    checked += 1
+                    continue
+                except BlockingIOError:
+                    pass
+                except OSError:  # EOPNOTSUPP: every read here may wait
+                    self._nowait = False
+            self._hand_over((batch, i, tree_fd, slot_bytes, relpath, chunk_identity))
+        self._settle(batch, checked)
+
+    def close(self) -> None:
+        """Wait until every batch is done and end the threads; raise what failed one of them."""
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join()
+        self._threads.clear()
+        if self._error is not None:
+            raise self._error
+
+    def _hand_over(self, item: tuple[_Batch, int, int, int, str, bytes]) -> None:
+        with self._lock:
+            self._queued += 1
+            start = self._queued > len(self._threads) and len(self._threads) < self._depth
+        if start:
+            thread = threading.Thread(target=self._read, name="kvtier-verify-reader", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+        self._queue.put(item)
+
+    def _read(self) -> None:
+        buffers: dict[int, memoryview] = {}
+        while (item := self._queue.get()) is not None:
+            batch, i, tree_fd, slot_bytes, relpath, chunk_identity = item
+            try:
+                batch.codes[i] = _CODE[check_file(tree_fd, relpath, slot_buffer(buffers, slot_bytes), chunk_identity)]
+                self._settle(batch, 1, handed_over=True)
+            except BaseException as exc:  # a bug: never a file's fault; its batch is never done
+                self._error = exc
+                if self._on_error is not None:
+                    self._on_error(exc)
+
+    def _settle(self, batch: _Batch, checked: int, *, handed_over: bool = False) -> None:
+        with self._lock:
+            self._queued -= checked if handed_over else 0
+            batch.left -= checked
+            while self._order and not self._order[0].left:
+                finished = self._order.popleft()
+                finished.done(finished.codes)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -120,11 +238,11 @@ def _import_paths() -> list[str]:
 class _Worker:
     """One worker process, its pipes and the requests it has not answered yet."""
 
-    def __init__(self, tree_fds: Sequence[int]) -> None:
+    def __init__(self, tree_fds: Sequence[int], depth: int) -> None:
         if not sys.executable:
             raise OSError(errno.ENOENT, "no Python executable to start verify workers (use --workers 1)")
         fds = ",".join(str(fd) for fd in tree_fds)
-        command = [sys.executable, "-I", "-c", _BOOT, fds, str(os.getpid()), *_import_paths()]
+        command = [sys.executable, "-I", "-c", _BOOT, fds, str(os.getpid()), str(depth), *_import_paths()]
         try:
             self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                             stderr=subprocess.PIPE, pass_fds=tuple(tree_fds),
@@ -214,19 +332,20 @@ class _Worker:
 
 
 class VerifyWorkers:
-    """``size`` worker processes checking files of the trees open at ``tree_fds``.
+    """``size`` worker processes checking files of the trees open at ``tree_fds``, each with a
+    :class:`Checker` of ``depth`` threads for files not in the page cache.
 
     Use as a context manager: leaving it normally ends the workers (end of their stdin), leaving
     it with an exception kills them. Starting them returns at once; :meth:`wait_ready` waits
     until every one has imported its code (~0.1 s: overlap it with other work) and mapped its
     buffers."""
 
-    def __init__(self, tree_fds: Sequence[int], size: int) -> None:
+    def __init__(self, tree_fds: Sequence[int], size: int, depth: int) -> None:
         self.size = size
         self._workers: list[_Worker] = []
         try:
             for _ in range(size):
-                self._workers.append(_Worker(tree_fds))
+                self._workers.append(_Worker(tree_fds, depth))
         except BaseException:
             self._kill_all()
             raise
@@ -301,22 +420,29 @@ _DECODER = msgspec.msgpack.Decoder(CheckAnswer)
 
 
 def worker_main(argv: list[str]) -> None:
-    """A verify worker: ``argv`` = [the tree descriptors, comma separated; the parent's pid].
-    Answers :data:`_STARTED` at once, then each :class:`CheckRequest` frame on stdin with a
-    :class:`CheckAnswer` frame on stdout; exits at the end of stdin, or when its parent dies."""
-    tree_fds, parent = [int(fd) for fd in argv[0].split(",")], int(argv[1])
+    """A verify worker: ``argv`` = [the tree descriptors, comma separated; the parent's pid;
+    reads in flight (:class:`Checker`'s ``depth``)]. Answers :data:`_STARTED` at once, then each
+    :class:`CheckRequest` frame on stdin with a :class:`CheckAnswer` frame on stdout, in order
+    (a request is answered once all its files are checked, while the next is read); exits at the
+    end of stdin, or when its parent dies."""
+    tree_fds, parent, depth = [int(fd) for fd in argv[0].split(",")], int(argv[1]), int(argv[2])
     die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the parent's to handle
     decoder = msgspec.msgpack.Decoder(CheckRequest)
-    buffers: dict[int, memoryview] = {}
     fs_beneath.has_openat2()  # probed now, part of starting, not of the first file's check
 
     def answer(request_id: int, verdicts: list[int]) -> None:
         payload = _ENCODER.encode(CheckAnswer(request_id, verdicts))
         write_all(1, FRAME_HEADER.pack(len(payload)) + payload)
 
+    def die(exc: BaseException) -> None:  # a reader thread failed: the parent must not wait for it
+        traceback.print_exception(exc)
+        sys.stderr.flush()
+        os._exit(3)
+
     answer(_STARTED.id, [])
+    checker = Checker(depth, on_error=die)
     for request in requests(decoder, max_bytes=_MAX_REQUEST_BYTES):
-        tree_fd = tree_fds[request.tree]
-        buf = slot_buffer(buffers, request.slot_bytes)
-        answer(request.id, [_CODE[check_file(tree_fd, relpath, buf, identity)] for relpath, identity in request.files])
+        checker.submit(tree_fds[request.tree], request.slot_bytes, request.files,
+                       functools.partial(answer, request.id))
+    checker.close()

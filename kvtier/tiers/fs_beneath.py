@@ -27,6 +27,7 @@ import os
 import stat
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
@@ -65,6 +66,7 @@ _SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437, "arm64": 437, "riscv64": 437, "pp
 _RESOLVE_NO_MAGICLINKS = 0x02
 _RESOLVE_NO_SYMLINKS = 0x04
 _RESOLVE_BENEATH = 0x08
+_RESOLVE_CACHED = 0x20  # Linux >= 5.12: EAGAIN rather than wait for the storage to resolve a path
 _RESOLVE = _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
 
 
@@ -73,10 +75,12 @@ class _OpenHow(ctypes.Structure):
 
 
 _Openat2 = tuple[Any, int]  # (libc.syscall, the syscall number)
-_openat2_state: dict[str, _Openat2 | None] = {}
+_Opener = Callable[[int, str], int]
+# "fn": the probe's result (an _Openat2, or None); (flags, mode, cached_only): that open, prepared.
+# One dict, so that forgetting the probe (tests do, to switch resolution) forgets what was
+# prepared with it.
+_openat2_state: dict[Any, Any] = {}
 _openat2_lock = threading.Lock()
-_hows: dict[Any, Any] = {}  # flags, or (flags, mode) with O_CREAT -> ctypes.byref(_OpenHow), built once
-_UNPROBED: Any = object()
 
 
 def _openat2_fn() -> _Openat2 | None:
@@ -140,33 +144,60 @@ def _walk_open(dir_fd: int, relpath: str, flags: int, mode: int) -> int:
 
 
 def _open_beneath(dir_fd: int, relpath: str, flags: int, mode: int = 0o644) -> int:
-    # The load path's hot spot (a page-cache chunk read takes ~25 µs): one dict lookup for the
-    # prebuilt open_how, the path encoded directly (layout paths are ASCII), no extra frames.
-    flags |= _O_NOFOLLOW | _O_CLOEXEC
-    fn = _openat2_state.get("fn", _UNPROBED)
-    if fn is _UNPROBED:
-        fn = _openat2_fn()
+    """Open ``relpath`` beneath ``dir_fd`` with ``flags`` (``O_NOFOLLOW | O_CLOEXEC`` added):
+    :class:`UnsafeEntry` for a link, a non-directory on the way or an escape."""
+    prepared = _openat2_state.get((flags, mode, False))
+    if prepared is None:
+        prepared = _prepare(flags, mode, False)
+    return prepared(dir_fd, relpath)
+
+
+def _prepare(flags: int, mode: int, cached_only: bool) -> _Opener:
+    """The open of :func:`_open_beneath` for ``flags``/``mode``, built once and kept: the load
+    path's hot spot (a page-cache chunk read takes ~35 µs, this ~4) is then one ``openat2``
+    through ctypes with everything bound, the path encoded directly (layout paths are ASCII).
+    ``cached_only`` adds ``RESOLVE_CACHED`` (see :func:`open_file`)."""
+    fn = _openat2_fn()
+    all_flags = flags | _O_NOFOLLOW | _O_CLOEXEC
+
+    def unsafe(relpath: str) -> UnsafeEntry:
+        return UnsafeEntry(relpath, "symbolic link, special file or misplaced entry")
+
     if fn is None:
-        try:
-            return _walk_open(dir_fd, relpath, flags, mode)
-        except OSError as exc:
-            if exc.errno in _UNSAFE_ERRNOS:
-                raise UnsafeEntry(relpath, "symbolic link, special file or misplaced entry") from None
-            raise
-    key = (flags, mode) if flags & os.O_CREAT else flags  # openat2 refuses a mode without O_CREAT
-    how = _hows.get(key)
-    if how is None:
-        how = _hows[key] = ctypes.byref(_OpenHow(flags, mode if flags & os.O_CREAT else 0, _RESOLVE))
-    fd = fn[0](fn[1], dir_fd, relpath.encode(), how, 24)
-    if fd >= 0:
-        return int(fd)
-    err = ctypes.get_errno()
-    if err in _UNSAFE_ERRNOS:
-        raise UnsafeEntry(relpath, "symbolic link, special file or misplaced entry")
-    raise OSError(err, os.strerror(err), relpath)
+        def open_walking(dir_fd: int, relpath: str) -> int:
+            if cached_only:
+                raise OSError(errno.EOPNOTSUPP, "no openat2: cannot open from the caches only", relpath)
+            try:
+                return _walk_open(dir_fd, relpath, all_flags, mode)
+            except OSError as exc:
+                if exc.errno in _UNSAFE_ERRNOS:
+                    raise unsafe(relpath) from None
+                raise
+        prepared: _Opener = open_walking
+    else:
+        syscall, nr = fn
+        # openat2 refuses a mode without O_CREAT. The reference keeps the structure alive.
+        resolve = _RESOLVE | (_RESOLVE_CACHED if cached_only else 0)
+        how = ctypes.byref(_OpenHow(all_flags, mode if flags & os.O_CREAT else 0, resolve))
+        size = ctypes.sizeof(_OpenHow)
+
+        def open_beneath(dir_fd: int, relpath: str) -> int:
+            fd: int = syscall(nr, dir_fd, relpath.encode(), how, size)
+            if fd >= 0:
+                return fd
+            err = ctypes.get_errno()
+            if err in _UNSAFE_ERRNOS:
+                raise unsafe(relpath)
+            if cached_only and err == errno.EINVAL:  # a kernel older than RESOLVE_CACHED (5.12)
+                err = errno.EOPNOTSUPP
+            raise OSError(err, os.strerror(err), relpath)  # EAGAIN: a BlockingIOError
+        prepared = open_beneath
+    _openat2_state[(flags, mode, cached_only)] = prepared
+    return prepared
 
 
-def open_file(dir_fd: int, relpath: str, flags: int, mode: int = 0o644, *, regular_only: bool = True) -> int:
+def open_file(dir_fd: int, relpath: str, flags: int, mode: int = 0o644, *, regular_only: bool = True,
+              cached_only: bool = False) -> int:
     """Open the regular file ``relpath`` beneath ``dir_fd``; return its descriptor.
 
     ``flags`` are ``os.open`` flags (``O_NOFOLLOW``, ``O_CLOEXEC`` and ``O_NONBLOCK`` are added).
@@ -178,8 +209,15 @@ def open_file(dir_fd: int, relpath: str, flags: int, mode: int = 0o644, *, regul
     else by itself: links and sockets are still refused by the open, and what is left opens
     without blocking and fails a positioned read (a pipe: ``ESPIPE``, a directory: ``EISDIR``) or
     yields bytes that cannot pass a trailer check (a device — which only root can create).
+
+    ``cached_only`` opens only what the kernel can resolve from its caches (``RESOLVE_CACHED``):
+    ``BlockingIOError`` when resolving would wait for the storage, ``OSError`` ``EOPNOTSUPP``
+    where the kernel cannot promise that (no ``openat2``, or older than Linux 5.12).
     """
-    fd = _open_beneath(dir_fd, relpath, flags | _O_NONBLOCK, mode)
+    flags |= _O_NONBLOCK
+    key = (flags, mode, cached_only)
+    prepared = _openat2_state.get(key)  # _open_beneath, one frame fewer on the load path
+    fd = (prepared or _prepare(*key))(dir_fd, relpath)
     if not regular_only:
         return fd
     try:

@@ -1,0 +1,327 @@
+"""How ``kvtier verify`` reads: from the page cache without waiting, from the storage with reads
+in flight (``fs_io.load_chunk(nowait=True)``, ``fs_beneath.open_file(cached_only=True)``,
+``verify_workers.Checker``, ``kvtier verify --io-depth``)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_fs_io import ME, SLOT, _page, _slot  # noqa: E402
+from test_ops import N, _same_findings, build, chunk, cli, cli_json, corrupt_everything  # noqa: E402
+
+from kvtier.ops import verify as verify_mod  # noqa: E402
+from kvtier.ops import verify_workers  # noqa: E402
+from kvtier.ops.verify import run_verify_cli  # noqa: E402
+from kvtier.ops.verify_workers import VERDICTS, Checker  # noqa: E402
+from kvtier.tiers import fs_beneath, fs_io  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="reads that may not wait are Linux-only")
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Iterator[int]:
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    yield fd
+    os.close(fd)
+
+
+def evict(path: Path, offset: int = 0, length: int = 0) -> None:
+    """Drop ``path``'s pages (``length`` bytes from ``offset``; 0: to the end) from the page cache,
+    or skip the test where the filesystem cannot (tmpfs: its pages are the file) or cannot read
+    without waiting. Tried on a file of its own first: a read that may not wait starts the
+    readahead it does not wait for, so probing ``path`` itself would bring its pages back."""
+    probe = path.parent / ".evict-probe"
+    probe.write_bytes(bytes(4096))
+    try:
+        _drop(probe, 0, 0)
+        fd = os.open(probe, os.O_RDONLY)
+        try:
+            os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT)
+            pytest.skip("this filesystem keeps its pages in memory: nothing to evict")
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            if exc.errno != errno.EOPNOTSUPP:
+                raise
+            pytest.skip("this filesystem cannot read without waiting")
+        finally:
+            os.close(fd)
+    finally:
+        probe.unlink()
+    _drop(path, offset, length)
+
+
+def _drop(path: Path, offset: int, length: int) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def write(tree: int, tmp_path: Path, rel: str = "c.bin") -> Path:
+    src = _slot(0x5A)
+    fs_io.write_chunk(tree, rel, src, _page(src), o_direct=False)
+    return tmp_path / rel
+
+
+# --- fs_io.load_chunk(nowait=True) ------------------------------------------------------------
+
+
+def test_a_cached_chunk_is_read_and_checked_without_waiting(tree: int, tmp_path: Path) -> None:
+    write(tree, tmp_path)
+    dst = _slot(0)
+    assert fs_io.load_chunk(tree, "c.bin", dst, ME, o_direct=False, nowait=True).verified
+    assert bytes(dst) == bytes(_slot(0x5A))
+
+
+def test_an_evicted_chunk_would_block_then_reads_the_ordinary_way(tree: int, tmp_path: Path) -> None:
+    evict(write(tree, tmp_path))
+    with pytest.raises(BlockingIOError):
+        fs_io.load_chunk(tree, "c.bin", _slot(0), ME, o_direct=False, nowait=True)
+    assert fs_io.load_chunk(tree, "c.bin", _slot(0), ME, o_direct=False).verified
+    # That read brought it in: now it needs no waiting.
+    assert fs_io.load_chunk(tree, "c.bin", _slot(0), ME, o_direct=False, nowait=True).verified
+
+
+def test_a_chunk_whose_trailer_is_not_cached_would_block_never_passes_for_trailer_less(
+        tree: int, tmp_path: Path) -> None:
+    # The read that may not wait stops exactly at the slot's end, as a trailer-less file's would.
+    evict(write(tree, tmp_path), SLOT, 4096)
+    with pytest.raises(BlockingIOError):
+        fs_io.load_chunk(tree, "c.bin", _slot(0), ME, o_direct=False, nowait=True)
+
+
+def test_a_partly_cached_chunk_would_block_never_passes_for_short(tree: int, tmp_path: Path) -> None:
+    path = write(tree, tmp_path)
+    evict(path, 4096, 0)  # everything but the first page
+    with pytest.raises(BlockingIOError):
+        fs_io.load_chunk(tree, "c.bin", _slot(0), ME, o_direct=False, nowait=True)
+
+
+def test_a_cached_trailer_less_chunk_is_unverified_without_waiting(tree: int, tmp_path: Path) -> None:
+    (tmp_path / "raw.bin").write_bytes(bytes(_slot(0x11)))
+    verdict = fs_io.load_chunk(tree, "raw.bin", _slot(0), ME, o_direct=False, nowait=True)
+    assert verdict.reason == "unverified"
+    assert fs_io.load_chunk(tree, "raw.bin", _slot(0), ME, o_direct=False, nowait=True,
+                            accept_unverified=True).ok
+
+
+def test_a_cached_short_chunk_is_short_only_by_an_ordinary_read(tree: int, tmp_path: Path) -> None:
+    (tmp_path / "short.bin").write_bytes(bytes(SLOT // 2))
+    with pytest.raises(BlockingIOError):  # it cannot tell a short file from a partly cached one
+        fs_io.load_chunk(tree, "short.bin", _slot(0), ME, o_direct=False, nowait=True)
+    assert fs_io.load_chunk(tree, "short.bin", _slot(0), ME, o_direct=False).reason == "short"
+
+
+def test_a_link_is_refused_without_waiting(tree: int, tmp_path: Path) -> None:
+    write(tree, tmp_path)
+    (tmp_path / "link.bin").symlink_to(tmp_path / "c.bin")
+    assert fs_io.load_chunk(tree, "link.bin", _slot(0), ME, o_direct=False, nowait=True).reason == "not_regular"
+
+
+def test_where_reads_cannot_promise_not_to_wait_they_say_so(tree: int, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    write(tree, tmp_path)
+    monkeypatch.setattr(fs_io, "_RWF_NOWAIT", 0)  # Python or the platform lacks RWF_NOWAIT
+    with pytest.raises(OSError) as raised:
+        fs_io.load_chunk(tree, "c.bin", _slot(0), ME, o_direct=False, nowait=True)
+    assert raised.value.errno == errno.EOPNOTSUPP
+    monkeypatch.undo()
+    # Without openat2, paths are opened component by component: nothing can promise not to wait.
+    monkeypatch.setenv("KVTIER_NO_OPENAT2", "1")
+    monkeypatch.setattr(fs_beneath, "_openat2_state", {})
+    with pytest.raises(OSError) as raised:
+        fs_beneath.open_file(tree, "c.bin", os.O_RDONLY, cached_only=True)
+    assert raised.value.errno == errno.EOPNOTSUPP
+    os.close(fs_beneath.open_file(tree, "c.bin", os.O_RDONLY))  # the ordinary open still works
+
+
+# --- Checker ----------------------------------------------------------------------------------
+
+
+class FakeReads:
+    """Stands in for ``check_file``: the file's name is its verdict (``ok`` for None), and names
+    starting with ``cold`` would block unless read the ordinary way (on a Checker thread)."""
+
+    def __init__(self, *, nowait_error: OSError | None = None, hold: threading.Event | None = None) -> None:
+        self.nowait_error = nowait_error
+        self.hold = hold  # ordinary reads wait for it
+        self.lock = threading.Lock()
+        self.nowait_calls = 0
+        self.in_flight = 0
+        self.most_in_flight = 0
+        self.threads: set[int] = set()
+
+    def __call__(self, tree_fd: int, relpath: str, buf: memoryview, chunk_identity: bytes, *,
+                 nowait: bool = False) -> str | None:
+        verdict = relpath.split(":")[-1]
+        if nowait:
+            self.nowait_calls += 1
+            if self.nowait_error is not None:
+                raise self.nowait_error
+            if relpath.startswith("cold"):
+                raise BlockingIOError(errno.EAGAIN, "would wait", relpath)
+            return None if verdict == "ok" else verdict
+        with self.lock:
+            self.in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self.in_flight)
+            self.threads.add(threading.get_ident())
+        try:
+            if self.hold is not None:
+                assert self.hold.wait(10)
+            if verdict == "boom":
+                raise RuntimeError("a bug in a reader")
+            return None if verdict == "ok" else verdict
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+
+
+def checked(checker: Checker, batches: list[list[str]]) -> list[list[str | None]]:
+    """Submit ``batches`` (file names), close; the verdicts in the order ``done`` was called."""
+    found: list[list[str | None]] = []
+    for names in batches:
+        checker.submit(0, 4096, [(name, b"") for name in names],
+                       lambda codes: found.append([VERDICTS[c] for c in codes]))
+    checker.close()
+    return found
+
+
+def test_checker_answers_batches_in_order_whichever_way_their_files_were_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    reads = FakeReads()
+    monkeypatch.setattr(verify_workers, "check_file", reads)
+    batches = [["cold1:checksum", "a:ok", "cold2:ok"], ["b:short"], [], ["cold3:wrong_chunk", "c:ok"]]
+    assert checked(Checker(4), batches) == [["checksum", None, None], ["short"], [], ["wrong_chunk", None]]
+    assert reads.nowait_calls == 6  # every file was first tried without waiting
+
+
+def test_a_cached_batch_waits_for_an_earlier_one_still_on_the_storage(monkeypatch: pytest.MonkeyPatch) -> None:
+    hold = threading.Event()
+    monkeypatch.setattr(verify_workers, "check_file", FakeReads(hold=hold))
+    found: list[int] = []
+    checker = Checker(2)
+    checker.submit(0, 4096, [("cold:ok", b"")], lambda codes: found.append(1))
+    checker.submit(0, 4096, [("warm:ok", b"")], lambda codes: found.append(2))
+    assert found == []  # the second is checked, but answers come in order
+    hold.set()
+    checker.close()
+    assert found == [1, 2]
+
+
+def test_checker_keeps_at_most_depth_reads_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    hold = threading.Event()
+    reads = FakeReads(hold=hold)
+    monkeypatch.setattr(verify_workers, "check_file", reads)
+    checker = Checker(3)
+    found: list[list[int]] = []
+    checker.submit(0, 4096, [(f"cold{i}:ok", b"") for i in range(20)], found.append)
+    deadline = time.monotonic() + 10
+    while reads.in_flight < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # a fourth reader, if one were started, would be in by now
+    assert reads.in_flight == 3
+    hold.set()
+    checker.close()
+    assert found == [[0] * 20] and reads.most_in_flight == 3 and len(reads.threads) == 3
+
+
+def test_checker_starts_no_thread_for_a_tree_in_the_page_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    reads = FakeReads()
+    monkeypatch.setattr(verify_workers, "check_file", reads)
+    before = threading.active_count()
+    checker = Checker(8)
+    checker.submit(0, 4096, [(f"warm{i}:ok", b"") for i in range(10)], lambda codes: None)
+    assert threading.active_count() == before and not reads.threads
+    checker.close()
+
+
+def test_where_nothing_can_be_read_without_waiting_every_file_goes_to_the_threads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    reads = FakeReads(nowait_error=OSError(errno.EOPNOTSUPP, "not here"))
+    monkeypatch.setattr(verify_workers, "check_file", reads)
+    assert checked(Checker(2), [["a:ok", "b:checksum"], ["c:ok"]]) == [[None, "checksum"], [None]]
+    assert reads.nowait_calls == 1  # tried once, then never again
+
+
+def test_a_reader_thread_that_fails_is_reported_never_swallowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(verify_workers, "check_file", FakeReads())
+    failures: list[BaseException] = []
+    checker = Checker(2, on_error=failures.append)
+    found: list[Any] = []
+    checker.submit(0, 4096, [("cold:boom", b""), ("a:ok", b"")], found.append)
+    with pytest.raises(RuntimeError, match="a bug in a reader"):
+        checker.close()
+    assert found == [] and len(failures) == 1 and isinstance(failures[0], RuntimeError)
+
+
+def test_checker_refuses_a_depth_below_one() -> None:
+    with pytest.raises(ValueError, match="depth must be at least 1"):
+        Checker(0)
+
+
+# --- kvtier verify on a tree the page cache does not hold --------------------------------------
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_verify_finds_the_same_in_an_evicted_tree_as_in_a_cached_one(tmp_path: Path, workers: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    outside.mkdir()
+    tree = build(root, list(range(N)))
+    corrupt_everything(root, tree, outside)
+    status, cached = cli_json(run_verify_cli, str(root), "--workers", workers, "--io-depth", "4")
+    handed_over: list[Any] = []
+    real = Checker._hand_over
+    monkeypatch.setattr(Checker, "_hand_over", lambda self, item: (handed_over.append(item), real(self, item)))
+    for i in range(N):
+        if chunk(tree, i).is_file() and not chunk(tree, i).is_symlink():
+            evict(chunk(tree, i))
+    status_cold, cold = cli_json(run_verify_cli, str(root), "--workers", workers, "--io-depth", "4")
+    assert status == status_cold == 1 and cold["io_depth"] == 4
+    assert _same_findings(cold) == _same_findings(cached)
+    if workers == "1":  # read in this process: the evicted files went to the reader threads
+        assert len(handed_over) >= N - 3
+
+
+def test_io_depth_must_be_a_positive_integer(tmp_path: Path) -> None:
+    build(tmp_path, [0])
+    for bad in ("0", "-1", "x", "5000"):
+        status, _ = cli(run_verify_cli, str(tmp_path), "--io-depth", bad)
+        assert status == 2, bad
+    status, report = cli_json(run_verify_cli, str(tmp_path), "--io-depth", "1")
+    assert status == 0 and report["io_depth"] == 1 and report["ok"] == 1
+
+
+def test_io_depth_is_shared_among_the_readers() -> None:
+    assert [verify_mod._depth_per_reader(32, r) for r in (1, 2, 3, 64)] == [32, 16, 11, 1]
+
+
+# --- batches ----------------------------------------------------------------------------------
+
+
+def test_batches_shrink_as_the_work_runs_out_and_keep_one_tree_each() -> None:
+    trees = [object(), object()]
+    work: list[Any] = [(trees[0], i, b"") for i in range(1000)] + [(trees[1], i, b"") for i in range(37)]
+    batches = verify_mod._batches(work, 2)
+    assert [item for batch in batches for item in batch] == work  # all of it, in order
+    assert all(len({id(t) for t, _, _ in batch}) == 1 for batch in batches)
+    sizes = [len(b) for b in batches]
+    assert max(sizes) <= verify_mod._BATCH and sizes[0] == 1037 // 4
+    assert sizes[-1] == 1 and sizes[-2] <= 2  # the last ones, that others may wait out, are short
+    first_tree = [len(b) for b in batches if b[0][0] is trees[0]]
+    assert first_tree == sorted(first_tree, reverse=True)
+    assert [len(b) for b in verify_mod._batches(work, 0)] == [1000, 37]  # in this process: one tree each
