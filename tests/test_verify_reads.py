@@ -104,6 +104,17 @@ def test_a_chunk_whose_trailer_is_not_cached_would_block_never_passes_for_traile
         fs_io.load_chunk(tree, "c.bin", _slot(0), ME, o_direct=False, nowait=True)
 
 
+def test_a_long_chunk_whose_end_is_not_cached_would_block_never_passes_for_a_chunk(
+        tree: int, tmp_path: Path) -> None:
+    path = write(tree, tmp_path)
+    with open(path, "ab") as f:
+        f.write(bytes(3 * 4096))  # a valid chunk with bytes after it: "long" to an ordinary read
+    evict(path, SLOT + 4096, 0)  # the read that may not wait stops right after the trailer
+    with pytest.raises(BlockingIOError):
+        fs_io.load_chunk(tree, "c.bin", _slot(0), ME, o_direct=False, nowait=True)
+    assert fs_io.load_chunk(tree, "c.bin", _slot(0), ME, o_direct=False).reason == "long"
+
+
 def test_a_partly_cached_chunk_would_block_never_passes_for_short(tree: int, tmp_path: Path) -> None:
     path = write(tree, tmp_path)
     evict(path, 4096, 0)  # everything but the first page
@@ -228,7 +239,7 @@ def test_checker_keeps_at_most_depth_reads_in_flight(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(verify_workers, "check_file", reads)
     checker = Checker(3)
     found: list[list[int]] = []
-    checker.submit(0, 4096, [(f"cold{i}:ok", b"") for i in range(20)], found.append)
+    checker.submit(0, 4096, [(f"cold{i}:ok", b"") for i in range(15)], found.append)  # 3 reading, 12 queued
     deadline = time.monotonic() + 10
     while reads.in_flight < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -236,7 +247,23 @@ def test_checker_keeps_at_most_depth_reads_in_flight(monkeypatch: pytest.MonkeyP
     assert reads.in_flight == 3
     hold.set()
     checker.close()
-    assert found == [[0] * 20] and reads.most_in_flight == 3 and len(reads.threads) == 3
+    assert found == [[0] * 15] and reads.most_in_flight == 3 and len(reads.threads) == 3
+
+
+def test_checker_queues_a_bounded_number_of_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    hold = threading.Event()
+    monkeypatch.setattr(verify_workers, "check_file", FakeReads(hold=hold))
+    checker = Checker(1)
+    found: list[list[int]] = []
+    submitting = threading.Thread(
+        target=lambda: checker.submit(0, 4096, [(f"cold{i}:ok", b"") for i in range(50)], found.append))
+    submitting.start()
+    submitting.join(0.2)
+    assert submitting.is_alive()  # 1 reading and 4 queued: it waits for room
+    hold.set()
+    submitting.join(10)
+    checker.close()
+    assert found == [[0] * 50]
 
 
 def test_checker_starts_no_thread_for_a_tree_in_the_page_cache(monkeypatch: pytest.MonkeyPatch) -> None:

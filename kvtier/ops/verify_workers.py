@@ -136,7 +136,8 @@ class Checker:
     NFS has ``depth`` reads in flight per reader. Where the kernel or the filesystem cannot read
     without waiting (:func:`kvtier.tiers.fs_io.load_chunk`), every file goes to the threads.
 
-    :meth:`submit` returns once the cached files of a batch are checked; ``done(codes)`` (indexes
+    :meth:`submit` returns once the cached files of a batch are checked and the others queued (it
+    waits while ``4 * depth`` files are queued already); ``done(codes)`` (indexes
     into :data:`VERDICTS`, in the batch's order) is called for every batch once all its files
     are checked, in the order the batches were submitted, one call at a time, on whichever
     thread checked the last of them. :meth:`close` waits for every batch. A thread that fails
@@ -151,7 +152,8 @@ class Checker:
         self._on_error = on_error
         self._nowait = True  # until the kernel or filesystem says it cannot
         self._buffers: dict[int, memoryview] = {}  # the submitting thread's
-        self._queue: queue.SimpleQueue[tuple[_Batch, int, int, int, str, bytes] | None] = queue.SimpleQueue()
+        # Bounded: a cold tree of millions of files waits in the caller's list, not here twice.
+        self._queue: queue.Queue[tuple[_Batch, int, int, int, str, bytes] | None] = queue.Queue(4 * depth)
         self._threads: list[threading.Thread] = []
         self._queued = 0  # files handed to the threads and not checked yet
         self._lock = threading.Lock()

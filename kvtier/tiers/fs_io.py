@@ -300,7 +300,10 @@ def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes
         # Both buffers are page aligned with page-multiple lengths, so O_DIRECT accepts them
         # (it may still return a count that is not a page multiple at end of file).
         n = os.preadv(fd, [dst, _scratch_pages()], 0, _RWF_NOWAIT if nowait else 0)
-        if nowait and n < slot_bytes + TRAILER_PAGE and not (n == slot_bytes and _at_end(fd, n)):
+        # A read that may not wait stops where the page cache does: what it read is the whole
+        # file only where it ends there (one slot: trailer-less; one slot and a page: trailed).
+        if nowait and n <= slot_bytes + TRAILER_PAGE and not (
+                (n == slot_bytes + TRAILER_PAGE or n == slot_bytes) and _at_end(fd, n)):
             raise BlockingIOError(errno.EAGAIN, "not all in the page cache", relpath)
     except OSError as exc:
         if exc.errno in (errno.ESPIPE, errno.EISDIR):  # a pipe or a directory under a chunk's name
@@ -319,10 +322,11 @@ def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes
 
 
 def _at_end(fd: int, offset: int) -> bool:
-    """Whether ``offset`` is the end of the file (a read there that may not wait finds nothing):
-    a trailer-less file of exactly one slot, not a trailed one whose trailer is not cached."""
+    """Whether ``offset`` is the end of the file: a read there that may not wait finds nothing
+    (into the spare scratch page: the first may hold the trailer). Not so for a file whose next
+    page is not cached (a trailer, or bytes that make the file ``long``)."""
     try:
-        return not os.preadv(fd, [_scratch_pages()[:1]], offset, _RWF_NOWAIT)
+        return not os.preadv(fd, [_scratch_pages()[TRAILER_PAGE : TRAILER_PAGE + 1]], offset, _RWF_NOWAIT)
     except BlockingIOError:
         return False
 
