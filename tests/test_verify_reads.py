@@ -130,9 +130,12 @@ def test_a_cached_trailer_less_chunk_is_unverified_without_waiting(tree: int, tm
                             accept_unverified=True).ok
 
 
-def test_a_cached_short_chunk_is_short_only_by_an_ordinary_read(tree: int, tmp_path: Path) -> None:
-    (tmp_path / "short.bin").write_bytes(bytes(SLOT // 2))
-    with pytest.raises(BlockingIOError):  # it cannot tell a short file from a partly cached one
+def test_a_short_chunk_is_short_without_waiting_when_all_of_it_is_cached(tree: int, tmp_path: Path) -> None:
+    path = tmp_path / "short.bin"
+    path.write_bytes(bytes(SLOT // 2))
+    assert fs_io.load_chunk(tree, "short.bin", _slot(0), ME, o_direct=False, nowait=True).reason == "short"
+    evict(path)
+    with pytest.raises(BlockingIOError):
         fs_io.load_chunk(tree, "short.bin", _slot(0), ME, o_direct=False, nowait=True)
     assert fs_io.load_chunk(tree, "short.bin", _slot(0), ME, o_direct=False).reason == "short"
 

@@ -277,8 +277,8 @@ def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes
 
     ``nowait`` reads only what the kernel's caches hold (``RESOLVE_CACHED``, ``RWF_NOWAIT``):
     ``BlockingIOError`` when the path or any byte of the file would have to come from the
-    storage (a file only partly cached included: a short read cannot tell it from a short
-    file), ``OSError`` ``EOPNOTSUPP`` where the kernel or the filesystem cannot promise not to
+    storage (a read that stops before the file's end), ``OSError`` ``EOPNOTSUPP`` where the
+    kernel or the filesystem cannot promise not to
     wait (NFS, tmpfs, kernels before 5.12). The caller then reads it without ``nowait``, on a
     thread that may wait.
 
@@ -301,9 +301,9 @@ def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes
         # (it may still return a count that is not a page multiple at end of file).
         n = os.preadv(fd, [dst, _scratch_pages()], 0, _RWF_NOWAIT if nowait else 0)
         # A read that may not wait stops where the page cache does: what it read is the whole
-        # file only where it ends there (one slot: trailer-less; one slot and a page: trailed).
-        if nowait and n <= slot_bytes + TRAILER_PAGE and not (
-                (n == slot_bytes + TRAILER_PAGE or n == slot_bytes) and _at_end(fd, n)):
+        # file only where the file ends there (a file longer than a slot and two pages is
+        # "long" however much of it is cached).
+        if nowait and n <= slot_bytes + TRAILER_PAGE and os.lseek(fd, 0, os.SEEK_END) != n:
             raise BlockingIOError(errno.EAGAIN, "not all in the page cache", relpath)
     except OSError as exc:
         if exc.errno in (errno.ESPIPE, errno.EISDIR):  # a pipe or a directory under a chunk's name
@@ -319,16 +319,6 @@ def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes
         return verify(dst, None, chunk_identity, accept_unverified=accept_unverified)
     # A file that shrank (or grew) while being read classifies by what was read, like read_chunk.
     return rejected("short" if n < slot_bytes + TRAILER_PAGE else "long")
-
-
-def _at_end(fd: int, offset: int) -> bool:
-    """Whether ``offset`` is the end of the file: a read there that may not wait finds nothing
-    (into the spare scratch page: the first may hold the trailer). Not so for a file whose next
-    page is not cached (a trailer, or bytes that make the file ``long``)."""
-    try:
-        return not os.preadv(fd, [_scratch_pages()[TRAILER_PAGE : TRAILER_PAGE + 1]], offset, _RWF_NOWAIT)
-    except BlockingIOError:
-        return False
 
 
 def remove_file(dir_fd: int, relpath: str) -> bool:
