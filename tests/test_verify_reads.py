@@ -242,7 +242,7 @@ def test_checker_keeps_at_most_depth_reads_in_flight(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(verify_workers, "check_file", reads)
     checker = Checker(3)
     found: list[list[int]] = []
-    checker.submit(0, 4096, [(f"cold{i}:ok", b"") for i in range(15)], found.append)  # 3 reading, 12 queued
+    checker.submit(0, 4096, [(f"cold{i}:ok", b"") for i in range(6)], found.append)  # 3 reading, 3 queued
     deadline = time.monotonic() + 10
     while reads.in_flight < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -250,7 +250,7 @@ def test_checker_keeps_at_most_depth_reads_in_flight(monkeypatch: pytest.MonkeyP
     assert reads.in_flight == 3
     hold.set()
     checker.close()
-    assert found == [[0] * 15] and reads.most_in_flight == 3 and len(reads.threads) == 3
+    assert found == [[0] * 6] and reads.most_in_flight == 3 and len(reads.threads) == 3
 
 
 def test_checker_queues_a_bounded_number_of_files(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -262,7 +262,7 @@ def test_checker_queues_a_bounded_number_of_files(monkeypatch: pytest.MonkeyPatc
         target=lambda: checker.submit(0, 4096, [(f"cold{i}:ok", b"") for i in range(50)], found.append))
     submitting.start()
     submitting.join(0.2)
-    assert submitting.is_alive()  # 1 reading and 4 queued: it waits for room
+    assert submitting.is_alive()  # 1 reading and 1 queued: it waits for room
     hold.set()
     submitting.join(10)
     checker.close()
@@ -350,8 +350,152 @@ def test_batches_shrink_as_the_work_runs_out_and_keep_one_tree_each() -> None:
     assert [item for batch in batches for item in batch] == work  # all of it, in order
     assert all(len({id(t) for t, _, _ in batch}) == 1 for batch in batches)
     sizes = [len(b) for b in batches]
-    assert max(sizes) <= verify_mod._BATCH and sizes[0] == 1037 // 4
+    assert sizes[0] == min(verify_mod._BATCH, 1037 // 4) and max(sizes) <= verify_mod._BATCH
     assert sizes[-1] == 1 and sizes[-2] <= 2  # the last ones, that others may wait out, are short
     first_tree = [len(b) for b in batches if b[0][0] is trees[0]]
     assert first_tree == sorted(first_tree, reverse=True)
-    assert [len(b) for b in verify_mod._batches(work, 0)] == [1000, 37]  # in this process: one tree each
+    assert [len(b) for b in verify_mod._batches(work, 0)] == [256, 256, 256, 232, 37]  # in this process: full ones
+
+
+# --- what the review of the first version found ------------------------------------------------
+
+
+def test_a_directory_under_a_chunk_name_is_not_regular_and_leaves_reads_that_may_not_wait_on(
+        tree: int, tmp_path: Path) -> None:
+    (tmp_path / "dir.bin").mkdir()  # RWF_NOWAIT on a directory: EOPNOTSUPP, not EISDIR
+    write(tree, tmp_path)
+    assert fs_io.load_chunk(tree, "dir.bin", _slot(0), ME, o_direct=False, nowait=True).reason == "not_regular"
+    before = threading.active_count()
+    found: list[list[str | None]] = []
+    checker = Checker(4)
+    checker.submit(tree, SLOT, [("dir.bin", ME), ("c.bin", ME)], lambda codes: found.append([VERDICTS[c] for c in codes]))
+    assert threading.active_count() == before  # both checked at once: no file went to a thread
+    checker.close()
+    assert found == [["not_regular", None]]
+
+
+def test_nowait_and_o_direct_together_are_refused(tree: int, tmp_path: Path) -> None:
+    write(tree, tmp_path)
+    with pytest.raises(ValueError, match="o_direct"):
+        fs_io.load_chunk(tree, "c.bin", _slot(0), ME, o_direct=True, nowait=True)
+
+
+@pytest.mark.parametrize("error, verdict", [
+    (OSError(errno.EIO, "I/O error"), "unreadable"),
+    (PermissionError(errno.EACCES, "Permission denied"), "unreadable"),
+    (OSError(errno.ESTALE, "Stale file handle"), "vanished"),
+    (FileNotFoundError(errno.ENOENT, "gone"), "vanished"),
+    (OSError(errno.EMFILE, "Too many open files"), None),  # this process's trouble: raised
+    (OSError(errno.ENOMEM, "Cannot allocate memory"), None),
+])
+def test_a_file_that_cannot_be_read_is_unreadable_never_corrupt(monkeypatch: pytest.MonkeyPatch, error: OSError,
+                                                                verdict: str | None) -> None:
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        raise error
+
+    monkeypatch.setattr(fs_io, "load_chunk", failing)
+    if verdict is None:
+        with pytest.raises(OSError) as raised:
+            verify_workers.check_file(0, "c.bin", _slot(0), ME)
+        assert raised.value is error
+    else:
+        assert verify_workers.check_file(0, "c.bin", _slot(0), ME) == verdict
+        assert verify_workers.check_file(0, "c.bin", _slot(0), ME, nowait=True) == verdict
+
+
+def test_verify_reports_an_unreadable_chunk_and_repair_keeps_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tree = build(tmp_path, list(range(4)))
+    bad = str(chunk(tree, 1).relative_to(tree))
+    real = fs_io.load_chunk
+
+    def eio_for_one(tree_fd: int, relpath: str, *args: Any, **kwargs: Any) -> Any:
+        if relpath == bad:
+            raise OSError(errno.EIO, "Input/output error", relpath)
+        return real(tree_fd, relpath, *args, **kwargs)
+
+    monkeypatch.setattr(fs_io, "load_chunk", eio_for_one)
+    status, report = cli_json(run_verify_cli, str(tmp_path), "--workers", "1", "--repair")
+    assert status == 1 and report["counts"]["unreadable"] == 1 and report["ok"] == 3
+    assert [(p["reason"], p["repaired"]) for p in report["problems"]] == [("unreadable", False)]
+    assert report["problems_left"] == 1 and chunk(tree, 1).exists()
+
+
+def test_running_out_of_descriptors_fails_the_check_and_repairs_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    tree = build(tmp_path, list(range(4)))
+    chunk(tree, 0).write_bytes(b"short")  # a real problem that --repair would remove
+    real = fs_io.load_chunk
+    calls = []
+
+    def emfile_after_two(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) > 2:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fs_io, "load_chunk", emfile_after_two)
+    status, out = cli(run_verify_cli, str(tmp_path), "--workers", "1", "--repair")
+    assert status == 1 and out == "" and "Too many open files" in capsys.readouterr().err
+    assert chunk(tree, 0).exists()
+
+
+def test_after_a_reader_thread_fails_nothing_more_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    reads = FakeReads()
+    monkeypatch.setattr(verify_workers, "check_file", reads)
+
+    def on_error(exc: BaseException) -> None:
+        raise KeyError("a broken handler changes nothing")
+
+    checker = Checker(1, on_error=on_error)
+    checker.submit(0, 4096, [("cold:boom", b"")], lambda codes: None)
+    deadline = time.monotonic() + 10
+    while checker._error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError, match="a bug in a reader"):
+        checker.submit(0, 4096, [("warm:ok", b"")], lambda codes: None)
+    with pytest.raises(RuntimeError, match="a bug in a reader"):
+        checker.close()
+    assert reads.nowait_calls == 1  # the batch after the failure was not even tried
+
+
+def test_verify_root_refuses_no_readers_or_no_depth(tmp_path: Path) -> None:
+    from kvtier.ops.runs import open_root
+
+    build(tmp_path, [0])
+    fd = open_root(str(tmp_path))
+    try:
+        for workers, depth in ((0, 4), (1, 0), (2, -3)):
+            with pytest.raises(ValueError, match="at least 1"):
+                verify_mod.verify_root(fd, str(tmp_path), workers=workers, io_depth=depth)
+    finally:
+        os.close(fd)
+
+
+def test_a_full_request_fits_a_pipe_so_sending_never_waits_for_a_busy_worker() -> None:
+    import msgspec
+
+    from kvtier.keys import make_offload_key
+    from kvtier.layout import Namespace
+    from kvtier.tiers.integrity import IDENTITY_SIZE
+
+    longest = Namespace.chunk_relpath(make_offload_key(b"\xff" * 32, 2**31 - 1))
+    request = verify_workers.CheckRequest(2**40, 1000, 1 << 30, [(longest, bytes(IDENTITY_SIZE))] * verify_mod._BATCH)
+    assert len(msgspec.msgpack.encode(request)) + 4 <= 65536
+
+
+def test_a_worker_whose_reader_thread_fails_exits_and_fails_the_check(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    tree = build(tmp_path, list(range(4)))
+    chunk(tree, 0).write_bytes(b"short")  # a real problem that --repair would remove
+    # Workers whose files all seem to be on the storage, and whose reader threads then fail.
+    boot = ("import sys; sys.path[:0] = sys.argv[4:]; from kvtier.ops import verify_workers as vw\n"
+            "def failing(*args, nowait=False):\n"
+            "    if nowait: raise BlockingIOError(11, 'on the storage')\n"
+            "    raise RuntimeError('reader thread bug')\n"
+            "vw.check_file = failing; vw.worker_main(sys.argv[1:4])")
+    monkeypatch.setattr(verify_workers, "_BOOT", boot)
+    status, out = cli(run_verify_cli, str(tmp_path), "--workers", "2", "--repair")
+    err = capsys.readouterr().err
+    assert status == 1 and out == ""
+    assert "exited (status 3): RuntimeError: reader thread bug" in err, err
+    assert chunk(tree, 0).exists()

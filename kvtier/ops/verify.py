@@ -9,7 +9,8 @@ Reads never follow a link and never open a special file (:mod:`kvtier.tiers.fs_b
 outside ROOT is reached.
 
 Reasons reported (per file): the trailer's ``short``, ``long``, ``bad_trailer``, ``old_version``,
-``checksum``, ``wrong_chunk``; ``unverified`` (a trailer-less file of exactly ``slot_bytes``,
+``checksum``, ``wrong_chunk``; ``unreadable`` (the file could not be read: ``EIO``, ``EACCES``;
+never removed, as nothing is known of its bytes); ``unverified`` (a trailer-less file of exactly ``slot_bytes``,
 written by vLLM: reported, never a problem, never removed); ``not_regular`` (a link, special file
 or directory where a chunk or shard directory belongs; never followed); ``stray`` (a name not of
 the layout inside a rank tree, and ``.tmp``/probe files older than ``--tmp-grace``: younger ones
@@ -17,9 +18,10 @@ may belong to a live writer and are only counted). Files that vanish while being
 engine evicted them) are counted, not problems. Directly under ROOT, invalid run directories,
 orphan trees and links bearing run or tree names are reported as problems and never repaired.
 
-``--repair`` removes every problem file (:func:`kvtier.tiers.fs_io.remove_file`: a link is
-removed itself, never its target; a directory only when empty). It is safe next to running
-engines: their loads verify every file, and a file removed under them is a miss.
+``--repair`` removes every problem file but the unreadable ones
+(:func:`kvtier.tiers.fs_io.remove_file`: a link is removed itself, never its target; a directory
+only when empty). It is safe next to running engines: their loads verify every file, and a file
+removed under them is a miss.
 
 ``slot_bytes`` (the run fields do not record the KV geometry) is read from the trailers: the
 length field of a file of one of the most common sizes; ``--slot-bytes`` overrides it. When no
@@ -34,9 +36,10 @@ process queued for it (0.55-0.8x of a raw parallel read on 2 cores). With N = 1 
 checks every file itself and starts no process. Either way each reader checks a file the page
 cache holds at once, into its own page-aligned buffer of one slot, with a read that may not wait
 (``RWF_NOWAIT``), and hands a file that would wait for the storage to its threads:
-``--io-depth`` (default 32) reads in flight over all readers, what a disk or NFS needs to
-deliver its bandwidth (:class:`kvtier.ops.verify_workers.Checker`). The verdicts are the same
-whichever reads a file. Workers start (~0.1 s) while the trees are listed; the GiB/s printed is
+``--io-depth`` (default 32, at most 256) reads in flight, shared among the readers (at least one
+each), what a disk or NFS needs to deliver its bandwidth; the kernel's readahead, started for each
+file found not cached, adds up to as many again (:class:`kvtier.ops.verify_workers.Checker`).
+Each reading thread holds a buffer of one slot. The verdicts are the same whichever reads a file. Workers start (~0.1 s) while the trees are listed; the GiB/s printed is
 file bytes read over the time of the read-and-check phase (listing and worker start-up
 excluded); progress (chunks, GiB/s) goes to stderr when it is a terminal. ``--repair`` removes
 files in this process, after every file was checked: a check that fails (a worker died) removes
@@ -87,10 +90,13 @@ __all__ = ["run_verify_cli", "build_parser", "verify_root", "REASONS"]
 #: Every reason a file can be reported for.
 REASONS: tuple[str, ...] = (
     "short", "long", "bad_trailer", "old_version", "checksum", "wrong_chunk", "unverified", "not_regular", "stray",
+    "unreadable",
 )
-_NOT_PROBLEMS = frozenset({"unverified"})
+_KEPT = frozenset({"unreadable"})  # problems --repair never removes: nothing is known of the bytes
 _TAIL = struct.Struct("<4sHHQQ8x")
-_BATCH = 1024  # files per batch at most
+# Files per batch at most: a request of 256 layout paths and identities is ~56 KB, within a pipe's
+# 64 KiB, so the parent's send to a worker busy with its other request never waits for it.
+_BATCH = 256
 _IO_DEPTH = 32  # reads in flight (all readers) for files not in the page cache: NVMe and NFS want many
 
 _EPILOG = """\
@@ -118,9 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print one JSON document (schema: module docstring)")
     parser.add_argument("--workers", type=_bounded_int("workers", 1, 1024), default=fs_io.usable_cpus(), metavar="N",
                         help="readers: N worker processes, 1 = this process alone (the usable cores)")
-    parser.add_argument("--io-depth", type=_bounded_int("io-depth", 1, 4096), default=_IO_DEPTH, metavar="N",
-                        help="reads in flight, over all readers, for files not in the page cache (cached files "
-                             "are checked without waiting)")
+    parser.add_argument("--io-depth", type=_bounded_int("io-depth", 1, 256), default=_IO_DEPTH, metavar="N",
+                        help="reads in flight for files not in the page cache, shared among the readers (at "
+                             "least one each; each holds a buffer of one slot); cached files are checked at once")
     parser.add_argument("--slot-bytes", type=_runs.size_arg, default=None, metavar="BYTES",
                         help="slot size of every run (e.g. 256KiB); read from the trailers when not given")
     parser.add_argument("--tmp-grace", type=float, default=3600.0, metavar="SECONDS",
@@ -198,7 +204,10 @@ def verify_root(root_fd: int, root: str, *, workers: int, io_depth: int = _IO_DE
     ``workers``: readers (more than one: worker processes, see the module docstring);
     ``io_depth``: reads in flight over all of them for files not in the page cache.
 
-    ``ValueError`` when ``run_filter`` matches no run; ``OSError`` when a worker fails."""
+    ``ValueError`` when ``run_filter`` matches no run or ``workers``/``io_depth`` is below 1;
+    ``OSError`` when a worker fails or this process runs out of descriptors or memory."""
+    if workers < 1 or io_depth < 1:
+        raise ValueError(f"workers and io_depth must be at least 1, got {workers} and {io_depth}")
     found = discover(root_fd)
     selected = [r for r in found.runs if run_filter is None or run_filter in (r.digest, r.name)]
     if run_filter is not None and not selected:
@@ -271,7 +280,7 @@ def verify_root(root_fd: int, root: str, *, workers: int, io_depth: int = _IO_DE
         if repair:
             by_name = {t.name: t for t in trees}
             for p in problems:
-                p["repaired"] = _remove(by_name[p["tree"]].fd, p["relpath"])
+                p["repaired"] = p["reason"] not in _KEPT and _remove(by_name[p["tree"]].fd, p["relpath"])
         left = sum(1 for p in problems if not p["repaired"]) + unchecked
         left += len(found.invalid_runs) + len(found.orphan_trees) + len(found.unsafe_entries) \
             if run_filter is None else 0

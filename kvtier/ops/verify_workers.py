@@ -58,9 +58,12 @@ __all__ = ["VERDICTS", "check_file", "slot_buffer", "Checker", "CheckRequest", "
            "worker_main"]
 
 #: What checking a file can find: ``None`` (a valid chunk), ``"vanished"`` (it was removed
-#: meanwhile: not a problem) or a rejection reason. Answers carry indexes into this tuple.
-VERDICTS: tuple[str | None, ...] = (None, "vanished", *REJECT_REASONS)
+#: meanwhile: not a problem), ``"unreadable"`` (the file could not be read: a problem, never
+#: removed) or a rejection reason. Answers carry indexes into this tuple.
+VERDICTS: tuple[str | None, ...] = (None, "vanished", "unreadable", *REJECT_REASONS)
 _CODE = {verdict: i for i, verdict in enumerate(VERDICTS)}
+#: Errors of this process, not of the file: a check that meets one fails as a whole.
+_OWN_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 
 _MAX_REQUEST_BYTES = 64 << 20
 _MAX_ANSWER_BYTES = 1 << 20  # an answer is ~1 byte per file; requests hold far fewer files than this
@@ -96,7 +99,9 @@ _STARTED = CheckRequest(-1, 0, 1, [])
 def check_file(tree_fd: int, relpath: str, buf: memoryview, chunk_identity: bytes, *,
                nowait: bool = False) -> str | None:
     """Read chunk file ``relpath`` beneath ``tree_fd`` into ``buf`` (one slot) and check it; a
-    verdict of :data:`VERDICTS`. An unreadable file (``EIO``) is ``short``: as good as truncated.
+    verdict of :data:`VERDICTS`. A file that cannot be read (``EIO``, ``EACCES``, ...) is
+    ``unreadable``: reported, never taken for corrupt. Raises ``OSError`` for what is this
+    process's trouble, not the file's (out of descriptors or memory): nothing can be concluded.
     ``nowait``: from the kernel's caches only; ``BlockingIOError`` or ``OSError`` ``EOPNOTSUPP``
     as :func:`kvtier.tiers.fs_io.load_chunk` raises them (check it without, then)."""
     try:
@@ -104,9 +109,10 @@ def check_file(tree_fd: int, relpath: str, buf: memoryview, chunk_identity: byte
     except FileNotFoundError:
         return "vanished"
     except OSError as exc:
-        if nowait and (isinstance(exc, BlockingIOError) or exc.errno == errno.EOPNOTSUPP):
+        if exc.errno in _OWN_ERRNOS or (nowait and (isinstance(exc, BlockingIOError)
+                                                    or exc.errno == errno.EOPNOTSUPP)):
             raise
-        return "short"
+        return "vanished" if exc.errno == errno.ESTALE else "unreadable"
 
 
 def slot_buffer(buffers: dict[int, memoryview], slot_bytes: int) -> memoryview:
@@ -137,12 +143,17 @@ class Checker:
     without waiting (:func:`kvtier.tiers.fs_io.load_chunk`), every file goes to the threads.
 
     :meth:`submit` returns once the cached files of a batch are checked and the others queued (it
-    waits while ``4 * depth`` files are queued already); ``done(codes)`` (indexes
+    waits while ``depth`` files are queued already); ``done(codes)`` (indexes
     into :data:`VERDICTS`, in the batch's order) is called for every batch once all its files
-    are checked, in the order the batches were submitted, one call at a time, on whichever
-    thread checked the last of them. :meth:`close` waits for every batch. A thread that fails
-    unexpectedly (not an ``OSError`` of a file: those are verdicts) calls ``on_error`` with the
-    exception if given (a worker process exits there), and :meth:`close` raises it.
+    are checked, in the order the batches were submitted, one call at a time, on the thread that
+    checked the file that completed it and the batches before it. :meth:`close` waits for every
+    batch. A check that fails on a thread (:func:`check_file` raising: this process's trouble,
+    or a bug) calls ``on_error`` with the exception if given (a worker process exits there);
+    from then on nothing more is checked or reported, and :meth:`submit` and :meth:`close`
+    raise it.
+
+    How many reads reach the storage at once: ``depth`` on the threads, and for each file queued
+    for them (up to ``depth``) the readahead the kernel started when it was found not cached.
     """
 
     def __init__(self, depth: int, on_error: Callable[[BaseException], None] | None = None) -> None:
@@ -152,8 +163,9 @@ class Checker:
         self._on_error = on_error
         self._nowait = True  # until the kernel or filesystem says it cannot
         self._buffers: dict[int, memoryview] = {}  # the submitting thread's
-        # Bounded: a cold tree of millions of files waits in the caller's list, not here twice.
-        self._queue: queue.Queue[tuple[_Batch, int, int, int, str, bytes] | None] = queue.Queue(4 * depth)
+        # Bounded: a cold tree of millions of files waits in the caller's list, not here twice;
+        # and each file queued here has had its readahead started by the read that may not wait.
+        self._queue: queue.Queue[tuple[_Batch, int, int, int, str, bytes] | None] = queue.Queue(depth)
         self._threads: list[threading.Thread] = []
         self._queued = 0  # files handed to the threads and not checked yet
         self._lock = threading.Lock()
@@ -163,6 +175,8 @@ class Checker:
     def submit(self, tree_fd: int, slot_bytes: int, files: Sequence[tuple[str, bytes]],
                done: Callable[[list[int]], None]) -> None:
         """Check ``files`` (relpath, identity) of the tree open at ``tree_fd``, slots of ``slot_bytes``."""
+        if self._error is not None:
+            raise self._error
         batch = _Batch([0] * len(files), len(files), done)
         with self._lock:
             self._order.append(batch)
@@ -176,8 +190,10 @@ class Checker:
                     continue
                 except BlockingIOError:
                     pass
-                except OSError:  # EOPNOTSUPP: every read here may wait
-                    self._nowait = False
+                except OSError as exc:
+                    if exc.errno != errno.EOPNOTSUPP:
+                        raise
+                    self._nowait = False  # every read here may wait
             self._hand_over((batch, i, tree_fd, slot_bytes, relpath, chunk_identity))
         self._settle(batch, checked)
 
@@ -192,6 +208,8 @@ class Checker:
             raise self._error
 
     def _hand_over(self, item: tuple[_Batch, int, int, int, str, bytes]) -> None:
+        if self._error is not None:
+            raise self._error
         with self._lock:
             self._queued += 1
             start = self._queued > len(self._threads) and len(self._threads) < self._depth
@@ -204,14 +222,19 @@ class Checker:
     def _read(self) -> None:
         buffers: dict[int, memoryview] = {}
         while (item := self._queue.get()) is not None:
+            if self._error is not None:  # failed: drained unchecked, so that no submit waits for room
+                continue
             batch, i, tree_fd, slot_bytes, relpath, chunk_identity = item
             try:
                 batch.codes[i] = _CODE[check_file(tree_fd, relpath, slot_buffer(buffers, slot_bytes), chunk_identity)]
                 self._settle(batch, 1, handed_over=True)
-            except BaseException as exc:  # a bug: never a file's fault; its batch is never done
+            except BaseException as exc:  # not a file's fault: its batch is never done
                 self._error = exc
                 if self._on_error is not None:
-                    self._on_error(exc)
+                    try:
+                        self._on_error(exc)
+                    except BaseException:  # it was told; what it raised changes nothing here
+                        pass
 
     def _settle(self, batch: _Batch, checked: int, *, handed_over: bool = False) -> None:
         with self._lock:

@@ -276,11 +276,12 @@ def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes
     (``FileNotFoundError`` for a missing file).
 
     ``nowait`` reads only what the kernel's caches hold (``RESOLVE_CACHED``, ``RWF_NOWAIT``):
-    ``BlockingIOError`` when the path or any byte of the file would have to come from the
-    storage (a read that stops before the file's end), ``OSError`` ``EOPNOTSUPP`` where the
-    kernel or the filesystem cannot promise not to
+    ``BlockingIOError`` when the path or a byte the verdict depends on (the file's first slot and
+    two pages) would have to come from the storage, ``OSError`` ``EOPNOTSUPP`` where the kernel
+    or the filesystem cannot promise not to
     wait (NFS, tmpfs, kernels before 5.12). The caller then reads it without ``nowait``, on a
-    thread that may wait.
+    thread that may wait. ``nowait`` with ``o_direct`` is a ``ValueError`` (a direct read waits
+    for the device).
 
     Why it differs from :func:`read_chunk` (each step is measurable at page-cache speeds, where
     a 256 KiB chunk takes ~25 µs): ONE ``preadv`` into ``dst`` then two scratch pages (the
@@ -288,7 +289,9 @@ def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes
     file longer than a chunk spills into the spare page; and the trailer is checked in place, in
     this thread's scratch page, before anything on this thread can reuse it (no copy).
     """
-    if nowait and not _RWF_NOWAIT:
+    if nowait and (o_direct or not _RWF_NOWAIT):
+        if o_direct:  # a direct read waits for the device whatever the flag says
+            raise ValueError("nowait reads the page cache: it cannot be combined with o_direct")
         raise OSError(errno.EOPNOTSUPP, "reads that may not wait are not supported here", relpath)
     try:
         # No fstat (a system call per chunk): what is not a regular file fails the read below.
@@ -308,7 +311,10 @@ def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes
     except OSError as exc:
         if exc.errno in (errno.ESPIPE, errno.EISDIR):  # a pipe or a directory under a chunk's name
             return rejected("not_regular")
-        if nowait and exc.errno == errno.EINVAL:  # RWF_NOWAIT refused by an old kernel
+        if nowait and exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # refused: by an old kernel (EINVAL),
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # by what is no regular file (a directory),
+                return rejected("not_regular")
+            # or by the filesystem (NFS, tmpfs)
             raise OSError(errno.EOPNOTSUPP, "reads that may not wait are not supported", relpath) from None
         raise
     finally:
