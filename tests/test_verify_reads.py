@@ -279,12 +279,42 @@ def test_checker_starts_no_thread_for_a_tree_in_the_page_cache(monkeypatch: pyte
     checker.close()
 
 
-def test_where_nothing_can_be_read_without_waiting_every_file_goes_to_the_threads(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("memory", [False, True], ids=["storage", "memory"])
+def test_where_nothing_can_be_read_without_waiting_files_go_to_the_threads_unless_they_are_memory(
+        monkeypatch: pytest.MonkeyPatch, memory: bool) -> None:
     reads = FakeReads(nowait_error=OSError(errno.EOPNOTSUPP, "not here"))
     monkeypatch.setattr(verify_workers, "check_file", reads)
+    monkeypatch.setattr(fs_io, "in_memory_fs", lambda fd: memory)
     assert checked(Checker(2), [["a:ok", "b:checksum"], ["c:ok"]]) == [[None, "checksum"], [None]]
     assert reads.nowait_calls == 1  # tried once, then never again
+    if memory:  # read where they were submitted
+        assert reads.threads == {threading.get_ident()}
+    else:
+        assert reads.threads and threading.get_ident() not in reads.threads
+
+
+@pytest.mark.skipif(not (os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)), reason="no /dev/shm")
+def test_a_tree_on_tmpfs_is_read_on_the_submitting_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as tmp:
+        fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            if not fs_io.in_memory_fs(fd):
+                pytest.skip("/dev/shm is not tmpfs here")
+            for name in ("a.bin", "b.bin"):
+                src = _slot(0x5A)
+                fs_io.write_chunk(fd, name, src, _page(src), o_direct=False)
+            Path(tmp, "b.bin").write_bytes(b"short")
+            before = threading.active_count()
+            found: list[list[str | None]] = []
+            checker = Checker(4)
+            checker.submit(fd, SLOT, [("a.bin", ME), ("b.bin", ME)], lambda c: found.append([VERDICTS[x] for x in c]))
+            assert threading.active_count() == before
+            checker.close()
+            assert found == [[None, "short"]]
+        finally:
+            os.close(fd)
 
 
 def test_a_reader_thread_that_fails_is_reported_never_swallowed(monkeypatch: pytest.MonkeyPatch) -> None:

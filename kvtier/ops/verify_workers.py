@@ -125,6 +125,11 @@ def slot_buffer(buffers: dict[int, memoryview], slot_bytes: int) -> memoryview:
     return buf
 
 
+# How a Checker reads a tree's files: tried without waiting first (then on the threads), all on
+# the submitting thread, or all on the threads.
+_NOWAIT, _HERE, _THREADS = "nowait", "here", "threads"
+
+
 @dataclass(slots=True)
 class _Batch:
     codes: list[int]  # verdict codes, in the batch's order
@@ -140,7 +145,9 @@ class Checker:
     interpreter lock. A file that would wait for the storage is queued for up to ``depth``
     threads (started when first needed) that read it the ordinary way, so a tree on a disk or
     NFS has ``depth`` reads in flight per reader. Where the kernel or the filesystem cannot read
-    without waiting (:func:`kvtier.tiers.fs_io.load_chunk`), every file goes to the threads.
+    without waiting (:func:`kvtier.tiers.fs_io.load_chunk`), a tree's files are read on the
+    submitting thread if its filesystem is memory (tmpfs: :func:`kvtier.tiers.fs_io.in_memory_fs`),
+    else all on the threads.
 
     :meth:`submit` returns once the cached files of a batch are checked and the others queued (it
     waits while ``depth`` files are queued already); ``done(codes)`` (indexes
@@ -161,7 +168,7 @@ class Checker:
             raise ValueError(f"depth must be at least 1, got {depth}")
         self._depth = depth
         self._on_error = on_error
-        self._nowait = True  # until the kernel or filesystem says it cannot
+        self._ways: dict[int, str] = {}  # per tree: _NOWAIT until its filesystem says it cannot
         self._buffers: dict[int, memoryview] = {}  # the submitting thread's
         # Bounded: a cold tree of millions of files waits in the caller's list, not here twice;
         # and each file queued here has had its readahead started by the read that may not wait.
@@ -182,10 +189,11 @@ class Checker:
             self._order.append(batch)
         buf = slot_buffer(self._buffers, slot_bytes)
         checked = 0
+        way = self._ways.get(tree_fd, _NOWAIT)
         for i, (relpath, chunk_identity) in enumerate(files):
-            if self._nowait:
+            if way is not _THREADS:
                 try:
-                    batch.codes[i] = _CODE[check_file(tree_fd, relpath, buf, chunk_identity, nowait=True)]
+                    batch.codes[i] = _CODE[check_file(tree_fd, relpath, buf, chunk_identity, nowait=way is _NOWAIT)]
                     checked += 1
                     continue
                 except BlockingIOError:
@@ -193,7 +201,13 @@ class Checker:
                 except OSError as exc:
                     if exc.errno != errno.EOPNOTSUPP:
                         raise
-                    self._nowait = False  # every read here may wait
+                    # No read here can promise not to wait: read here anyway where files are
+                    # memory, else on the threads.
+                    way = self._ways[tree_fd] = _HERE if fs_io.in_memory_fs(tree_fd) else _THREADS
+                    if way is _HERE:
+                        batch.codes[i] = _CODE[check_file(tree_fd, relpath, buf, chunk_identity)]
+                        checked += 1
+                        continue
             self._hand_over((batch, i, tree_fd, slot_bytes, relpath, chunk_identity))
         self._settle(batch, checked)
 

@@ -21,12 +21,14 @@ costs a recompute, and the trailer check catches torn pages.
 from __future__ import annotations
 
 import collections
+import ctypes
 import enum
 import errno
 import mmap
 import os
 import secrets
 import stat
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -390,6 +392,24 @@ class _Batch(_Waitable):
     def __init__(self, size: int) -> None:
         super().__init__()
         self.remaining = size
+
+
+_MEMORY_FS_MAGIC = frozenset({0x01021994, 0x858458F6})  # tmpfs, ramfs (statfs(2) f_type)
+
+
+def in_memory_fs(fd: int) -> bool:
+    """Whether the file or directory open at ``fd`` lives on a filesystem whose files are memory
+    (tmpfs, ramfs): reading never waits for a device there, though reads that may not wait are
+    refused. False where that cannot be told (not Linux, ``fstatfs`` unavailable)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    buf = ctypes.create_string_buffer(256)  # struct statfs: f_type (a long) first
+    try:
+        if ctypes.CDLL(None, use_errno=True).fstatfs(fd, buf) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    return ctypes.c_long.from_buffer(buf).value in _MEMORY_FS_MAGIC
 
 
 def usable_cpus() -> int:
