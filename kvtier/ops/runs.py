@@ -390,14 +390,16 @@ def run_on_root(name: str, parser: argparse.ArgumentParser, argv: Sequence[str],
         os.close(root_fd)
 
 
-def count_arg(text: str) -> int:
-    """argparse type: an int >= 1 (a thread count)."""
+def count_arg(text: str, *, most: int | None = None) -> int:
+    """argparse type: an int >= 1 (a count of workers or threads), at most ``most`` if given
+    (bind it with :func:`functools.partial`)."""
+    allowed = ">= 1" if most is None else f"in 1..{most}"
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"expected an integer {allowed}, got {text!r}") from None
+    if value < 1 or (most is not None and value > most):
+        raise argparse.ArgumentTypeError(f"expected an integer {allowed}, got {value}")
     return value
 
 

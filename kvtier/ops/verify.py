@@ -122,9 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repair", action="store_true",
                         help="remove corrupt, misplaced and stray files (never trailer-less vLLM files)")
     parser.add_argument("--json", action="store_true", help="print one JSON document (schema: module docstring)")
-    parser.add_argument("--workers", type=_bounded_int("workers", 1, 1024), default=fs_io.usable_cpus(), metavar="N",
+    parser.add_argument("--workers", type=functools.partial(_runs.count_arg, most=1024), default=fs_io.usable_cpus(), metavar="N",
                         help="readers: N worker processes, 1 = this process alone (the usable cores)")
-    parser.add_argument("--io-depth", type=_bounded_int("io-depth", 1, 256), default=_IO_DEPTH, metavar="N",
+    parser.add_argument("--io-depth", type=functools.partial(_runs.count_arg, most=256), default=_IO_DEPTH, metavar="N",
                         help="reads in flight for files not in the page cache, shared among the readers (at "
                              "least one each; each holds a buffer of one slot); cached files are checked at once")
     parser.add_argument("--slot-bytes", type=_runs.size_arg, default=None, metavar="BYTES",
@@ -132,18 +132,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tmp-grace", type=float, default=3600.0, metavar="SECONDS",
                         help="temporary files older than this are stray (the tier's stale_tmp_grace_s)")
     return parser
-
-
-def _bounded_int(name: str, low: int, high: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{name} must be in {low}..{high}, got {value}")
-        return value
-    return parse
 
 
 @dataclass(slots=True)
