@@ -10,7 +10,9 @@ concurrently, so several loads may be in flight; answers carry the command's ``i
   ``tokens`` tokens with ``params`` as ``kv_transfer_params`` → ``{"stored": n}``.
 * ``{"op": "load", ...}`` — zero the device blocks, load the prompt with ``params`` →
   ``{"loaded": n, "ok": bool, "seconds": s}``; ``ok`` is false if any loaded block differs.
-* ``{"op": "stats"}`` → host pinned slots, jobs in flight and the p2p tier's metrics.
+* ``{"op": "keys", "prompt", "tokens"}`` → ``{"keys": [hex, ...]}``, the prompt's chunk keys.
+* ``{"op": "stats"}`` → host pinned slots, jobs in flight, the p2p tier's metrics, open file
+  descriptors (``fds``) and resident memory (``rss_bytes``).
 * ``{"op": "drop_host"}`` → evict the host tier (``reset_cache``) so loads must use other tiers.
 * stdin EOF or ``{"op": "exit"}`` → close the engine and exit 0.
 """
@@ -103,9 +105,14 @@ async def main(config: dict[str, Any]) -> None:
                                 for b in range(loaded // BLOCK)
                                 for layer, content in enumerate(block_content(prompt, b, dim))
                             )
+                elif op == "keys":
+                    answer["keys"] = [key.hex() for key in engine.chunk_keys(tokens_of(cmd["prompt"], cmd["tokens"]))]
                 elif op == "stats":
                     stats = engine.manager.host.statistics()
                     answer["pinned_slots"] = stats.pinned_slots
+                    answer["fds"] = len(os.listdir("/proc/self/fd"))
+                    with open("/proc/self/statm") as statm:
+                        answer["rss_bytes"] = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
                     answer["jobs_in_flight"] = engine.manager.jobs_in_flight
                     for tier in engine.tiers:
                         if tier.tier_type == "p2p":

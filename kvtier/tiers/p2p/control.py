@@ -44,6 +44,12 @@ Semantics callers rely on:
   claims (else ``"identity_mismatch"``), so a trusted peer cannot speak for another. The directory
   is read at :meth:`ControlPlane.start`. Without ``auth`` the plane logs once that peers are
   unauthenticated. Secret key material is never logged or put in an error message.
+* **Refusals are seen.** A connection the ROUTER refuses — a CURVE key not in the trusted
+  directory (``"untrusted_key"``, the ZAP handler's verdict, with the client's address), or a
+  failed handshake such as a plaintext client at a CURVE server (``"handshake_failed"``, from the
+  ROUTER's socket monitor, which names no peer) — is counted in
+  ``statistics().connections_refused`` by reason and logged at WARNING at most once per address
+  (or reason) per minute, with the count of what the minute held back.
 """
 
 from __future__ import annotations
@@ -53,15 +59,16 @@ import logging
 import os
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Final, NamedTuple
+from typing import Any, Final, NamedTuple
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvtier.errors import ConfigError, KvtierError
+from kvtier.throttled_log import ThrottledLog
 from kvtier.tiers.p2p.protocol import MAX_FRAME_BYTES, Message, ProtocolError, decode, encode, parse_peer_id
 
 __all__ = ["ControlPlane", "ControlStatistics", "CurveKeys", "PeerDown", "PeerUnavailable"]
@@ -79,6 +86,8 @@ _DOWN_EVENTS: Final[dict[int, str]] = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "handshake_failed",
 }
 _MONITORED_EVENTS: Final = sum(_DOWN_EVENTS)
+# On the ROUTER: handshakes that failed before any message (ZAP denials are counted by the handler).
+_REFUSED_EVENTS: Final = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 _ZAP_DOMAIN: Final = "kvtier-p2p"
 
 _warned_unauthenticated = False
@@ -138,6 +147,8 @@ class ControlStatistics:
     """Inbound frames dropped and violations reported, by reason."""
     peers_down: dict[str, int] = field(default_factory=dict)
     """PeerDown notices, by reason."""
+    connections_refused: dict[str, int] = field(default_factory=dict)
+    """Inbound connections refused before any message: ``untrusted_key``, ``handshake_failed``."""
 
 
 @dataclass
@@ -207,6 +218,10 @@ class ControlPlane:
         self._wake_tx: zmq.asyncio.Socket | None = None
         self._wake_sender: zmq.Socket | None = None
         self._authenticator: object | None = None  # zmq.auth.asyncio.AsyncioAuthenticator
+        self._router_monitor: zmq.asyncio.Socket | None = None
+        self._router_monitor_reader: zmq.Socket | None = None
+        self._refused: dict[str, int] = {}
+        self._refusal_log = ThrottledLog(logger, interval_s=60.0)
         self._keys: _Keys | None = None
         self._dealers: dict[str, _Dealer] = {}
         self._notices: deque[PeerDown] = deque()
@@ -240,9 +255,7 @@ class ControlPlane:
         self._ctx = ctx
         try:
             if keys is not None:
-                from zmq.auth.asyncio import AsyncioAuthenticator
-
-                authenticator = AsyncioAuthenticator(context=ctx)
+                authenticator = _authenticator(ctx, self._on_zap_denied)
                 authenticator.start()
                 assert self._auth is not None
                 # pyzmq's "*" only matches sockets without a zap_domain; name ours explicitly.
@@ -253,6 +266,8 @@ class ControlPlane:
             self._configure(router)
             router.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer takes its identity back
             router.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_FRAME_BYTES)
+            self._router_monitor = router.get_monitor_socket(_REFUSED_EVENTS)
+            self._router_monitor_reader = zmq.Socket.shadow(self._router_monitor.underlying)
             if keys is not None:
                 router.curve_secretkey = keys.secret
                 router.curve_publickey = keys.public
@@ -291,10 +306,16 @@ class ControlPlane:
         self._wake()
         for peer_id in list(self._dealers):
             self._close_dealer(peer_id)
-        for sock in (self._router, self._wake_rx, self._wake_tx):
+        if self._router is not None and self._router_monitor is not None:
+            try:
+                self._router.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        for sock in (self._router_monitor, self._router, self._wake_rx, self._wake_tx):
             if sock is not None:
                 sock.close(linger=0)
         self._router = self._router_reader = self._wake_rx = self._wake_tx = self._wake_sender = None
+        self._router_monitor = self._router_monitor_reader = None
         if self._authenticator is not None:
             self._authenticator.stop()  # type: ignore[attr-defined]
             self._authenticator = None
@@ -430,6 +451,7 @@ class ControlPlane:
             connects=self._connects,
             messages_rejected=dict(self._rejected),
             peers_down=dict(self._down),
+            connections_refused=dict(self._refused),
         )
 
     # -------------------------------------------------------------- internals
@@ -455,6 +477,8 @@ class ControlPlane:
         poller = zmq.asyncio.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_rx, zmq.POLLIN)
+        if self._router_monitor is not None:
+            poller.register(self._router_monitor, zmq.POLLIN)
         for dealer in self._dealers.values():
             poller.register(dealer.monitor, zmq.POLLIN)
         ready = asyncio.ensure_future(poller.poll())
@@ -560,7 +584,30 @@ class ControlPlane:
             self._notices.append(PeerDown(peer_id, reason))
             self._wake()
 
+    def _on_zap_denied(self, address: str) -> None:
+        self._count_refused("untrusted_key", address,
+                            "p2p control: refused a connection from %s: its CURVE key is not trusted", address)
+
+    def _count_refused(self, reason: str, key: str, msg: str, *args: object) -> None:
+        self._refused[reason] = self._refused.get(reason, 0) + 1
+        self._refusal_log(key, msg, *args)
+
     def _drain_monitors(self) -> None:
+        reader = self._router_monitor_reader
+        while reader is not None:
+            try:
+                frames = reader.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                event = parse_monitor_message(frames)
+            except Exception:  # noqa: BLE001 - a garbled monitor frame is not a peer's doing
+                continue
+            endpoint = event.get("endpoint", b"")
+            where = endpoint.decode(errors="replace") if isinstance(endpoint, bytes) else str(endpoint)
+            self._count_refused("handshake_failed", "handshake_failed",
+                                "p2p control: a connection to %s failed its handshake (a client "
+                                "without CURVE, with another server key, or not ZeroMQ)", where[:80])
         for peer_id, dealer in list(self._dealers.items()):
             reason = _first_down_event(dealer.monitor_reader)
             if reason is not None:
@@ -578,6 +625,26 @@ class ControlPlane:
         dealer.monitor.close(linger=0)
         dealer.socket.close(linger=self._linger_ms)
         return True
+
+
+def _authenticator(ctx: zmq.asyncio.Context, on_denied: Callable[[str], None]) -> Any:
+    """pyzmq's asyncio ZAP handler, also reporting each denial's client address to ``on_denied``."""
+    from zmq.auth.asyncio import AsyncioAuthenticator
+
+    class _ReportingAuthenticator(AsyncioAuthenticator):  # type: ignore[misc]
+        _address = ""
+
+        async def handle_zap_message(self, msg: list[bytes]) -> None:
+            if len(msg) >= 4:
+                self._address = bytes(msg[3]).decode("ascii", "replace")[:64]
+            await super().handle_zap_message(msg)
+
+        def _send_zap_reply(self, request_id: bytes, status_code: bytes, *args: Any, **kwargs: Any) -> None:
+            if status_code != b"200":
+                on_denied(self._address)
+            super()._send_zap_reply(request_id, status_code, *args, **kwargs)
+
+    return _ReportingAuthenticator(context=ctx)
 
 
 def _identity(raw: bytes) -> str | None:

@@ -36,7 +36,15 @@ Semantics callers rely on:
   closed and counted in ``endpoints_refused``. The token authenticates the endpoint; it does not
   encrypt the bytes that follow (UCX over TCP is cleartext).
 * **Binding.** ucxx's listener takes no host argument: it listens on **all interfaces**
-  (0.0.0.0) on a port the OS picks. The token is what keeps strangers out.
+  (0.0.0.0) on a port the OS picks. With ``host`` given, :meth:`DataPlane.guard` closes every
+  connection to that port that arrived on another address at once, and every connection that is
+  not a session's link nor in its token handshake after ``accept_timeout_s`` (a raw TCP client
+  never reaches the token check: UCX holds such a socket open for ever). At most
+  :data:`MAX_UNPROVEN_CONNECTIONS` unproven connections are kept; beyond, the oldest are closed.
+  All of these count in ``endpoints_refused``. UCX's transport (the sockets the bytes travel on)
+  uses only the interfaces that hold ``host``'s addresses (``UCX_NET_DEVICES``, see
+  :func:`net_devices`) unless the environment sets ``UCX_NET_DEVICES`` itself (an RDMA fabric names
+  its devices there, e.g. ``mlx5_0:1``).
 
 Process-global state (ucxx's, not ours): ucxx has one application context per process,
 initialised on first use with a *progress mode* that cannot change afterwards. The first
@@ -55,17 +63,23 @@ period), joined off the loop: that is most of what :meth:`DataPlane.aclose` cost
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import hashlib
+import ipaddress
 import logging
 import os
 import secrets
+import socket
+import sys
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import anyio
 
-from kvtier.errors import KvtierError
+from kvtier.errors import ConfigError, KvtierError
+from kvtier.throttled_log import ThrottledLog
 
 __all__ = [
     "DataPlane",
@@ -76,6 +90,7 @@ __all__ = [
     "REASONS",
     "TOKEN_BYTES",
     "chunk_tag",
+    "net_devices",
     "progress_mode",
 ]
 
@@ -110,6 +125,9 @@ _TOKEN_TAG: Final = 0x6B76_7469_6572_546B  # "kvtierTk"
 _ACK_TAG: Final = 0x6B76_7469_6572_416B  # "kvtierAk"
 _ACCEPTED: Final = b"\x01"
 _DRAIN_S: Final = 2.0  # aclose(): the longest it waits for aborted operations to report
+#: Connections to the data port that are neither a link nor in a token handshake, kept at most.
+MAX_UNPROVEN_CONNECTIONS: Final = 128
+_GUARD_PERIOD_MAX_S: Final = 1.0  # guard(): how often the port's connections are looked at, at most
 
 
 class DataPlaneError(KvtierError):
@@ -160,6 +178,7 @@ def _wire_tag(tag: int, nbytes: int) -> int:
 # -- ucxx, imported and initialised on first use --------------------------------------------------
 
 _ucxx_module: Any = None
+_net_devices: str | None = None  # UCX_NET_DEVICES of this process's ucxx context ("" = every device)
 # With Python futures (thread mode), ucxx completes requests through one notifier thread bound to
 # one event loop, and that non-daemon thread keeps the process from exiting until it is stopped.
 # kvtier binds it to the loop of the planes in use and stops it when the last plane closes.
@@ -168,17 +187,20 @@ _planes_in_use = 0
 _notifier_lock = threading.Lock()  # ucxx's stop_notifier_thread() is not safe to call concurrently
 
 
-def _ucxx() -> Any:
-    """Import ucxx and initialise its process-global context once (see the module docstring)."""
-    global _ucxx_module, _notifier_loop
+def _ucxx(devices: str | None = None) -> Any:
+    """Import ucxx and initialise its process-global context once (see the module docstring).
+
+    ``devices``: the ``UCX_NET_DEVICES`` the first initialisation uses (None: every device),
+    unless the environment sets ``UCX_NET_DEVICES`` (then it wins). The context cannot change
+    afterwards: a later plane that wants other devices is told so in the log.
+    """
+    global _ucxx_module, _notifier_loop, _net_devices
     if _ucxx_module is None:
         # ucxx sets UCX_MEMTYPE_CACHE, which libucx >= 1.19 no longer knows: it would warn on stderr.
         os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
         try:
             import ucxx  # type: ignore[import-untyped]
         except ImportError as exc:
-            from kvtier.errors import ConfigError
-
             raise ConfigError(
                 f"the p2p tier needs ucxx, which is not importable here ({exc}): "
                 "pip install 'kvtier[p2p]'"
@@ -186,20 +208,29 @@ def _ucxx() -> Any:
 
         mode = os.environ.get("UCXPY_PROGRESS_MODE") or PROGRESS_MODE
         futures = None if "UCXPY_ENABLE_PYTHON_FUTURE" in os.environ else mode.startswith("thread")
+        chosen = os.environ.get("UCX_NET_DEVICES") or devices or ""
         try:
-            ucxx.init(progress_mode=mode, enable_python_future=futures)
+            ucxx.init(options={"NET_DEVICES": devices} if devices else {}, env_takes_precedence=True,
+                      progress_mode=mode, enable_python_future=futures)
         except RuntimeError:  # "UCX is already initiated": someone else chose; keep it
-            logger.info("ucxx was initialised elsewhere in this process; keeping its progress mode")
+            logger.info("ucxx was initialised elsewhere in this process; keeping its progress mode "
+                        "and network devices")
+            chosen = os.environ.get("UCX_NET_DEVICES", "")
         else:
             _notifier_loop = asyncio.get_running_loop()  # init started the notifier on this loop
+            logger.info("ucxx initialised: progress mode %s, network devices %s", mode, chosen or "all")
+        _net_devices = chosen
         _ucxx_module = ucxx
+    elif devices and devices != _net_devices and not os.environ.get("UCX_NET_DEVICES"):
+        logger.warning("ucxx in this process already uses network devices %s; a data plane that "
+                       "asked for %s shares them", _net_devices or "all", devices)
     return _ucxx_module
 
 
-def _acquire() -> Any:
+def _acquire(devices: str | None) -> Any:
     """ucxx for a plane about to use it on the running loop (paired with :func:`_release`)."""
     global _notifier_loop, _planes_in_use
-    ucxx = _ucxx()
+    ucxx = _ucxx(devices)
     context = ucxx.core._get_ctx()
     loop = asyncio.get_running_loop()
     if context.enable_python_future and _notifier_loop is not loop:
@@ -234,6 +265,194 @@ def progress_mode() -> str:
     return str(ucxx.core._get_ctx().progress_mode)
 
 
+# -- where the plane may be reached -----------------------------------------------------------------
+
+
+class _Ifaddrs(ctypes.Structure):
+    pass
+
+
+_Ifaddrs._fields_ = [  # struct ifaddrs (getifaddrs(3)); only the fields read here matter
+    ("ifa_next", ctypes.POINTER(_Ifaddrs)), ("ifa_name", ctypes.c_char_p), ("ifa_flags", ctypes.c_uint),
+    ("ifa_addr", ctypes.c_void_p), ("ifa_netmask", ctypes.c_void_p), ("ifa_ifu", ctypes.c_void_p),
+    ("ifa_data", ctypes.c_void_p),
+]
+
+
+def _sockaddr(pointer: int) -> tuple[str, int] | None:
+    """``(address, port)`` of a ``struct sockaddr`` in memory (IPv4 or IPv6); None otherwise."""
+    family = ctypes.c_ushort.from_address(pointer).value
+    if family == socket.AF_INET:
+        raw = ctypes.string_at(pointer, 8)
+        return _canonical(socket.inet_ntop(socket.AF_INET, raw[4:8])), int.from_bytes(raw[2:4], "big")
+    if family == socket.AF_INET6:
+        raw = ctypes.string_at(pointer, 24)
+        return _canonical(socket.inet_ntop(socket.AF_INET6, raw[8:24])), int.from_bytes(raw[2:4], "big")
+    return None
+
+
+def _canonical(address: str) -> str:
+    """One spelling per address: IPv4-mapped IPv6 addresses as IPv4, IPv6 compressed."""
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip)
+
+
+def _interface_addresses() -> list[tuple[str, str]]:
+    """``(interface, address)`` for every IPv4/IPv6 address of this host (getifaddrs)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    head = ctypes.POINTER(_Ifaddrs)()
+    if libc.getifaddrs(ctypes.byref(head)) != 0:
+        raise OSError(ctypes.get_errno(), "getifaddrs failed")
+    found: list[tuple[str, str]] = []
+    try:
+        node = head
+        while node:
+            entry = node.contents
+            if entry.ifa_addr:
+                address = _sockaddr(entry.ifa_addr)
+                if address is not None and entry.ifa_name:
+                    found.append((entry.ifa_name.decode(errors="replace"), address[0]))
+            node = entry.ifa_next
+    finally:
+        libc.freeifaddrs(head)
+    return found
+
+
+def host_addresses(host: str) -> frozenset[str]:
+    """The addresses ``host`` (a name or a literal, IPv6 bracketed or not) stands for.
+
+    Empty for a wildcard (``0.0.0.0``, ``::``, ``*``): every address. Raises :class:`ConfigError`
+    when the name does not resolve.
+    """
+    name = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if name in ("*", ""):
+        return frozenset()
+    try:
+        infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+    except socket.gaierror as exc:
+        raise ConfigError(f"p2p host {host[:64]!r} does not resolve: {exc.strerror}") from None
+    addresses = frozenset(_canonical(str(info[4][0])) for info in infos)
+    if any(ipaddress.ip_address(a).is_unspecified for a in addresses):
+        return frozenset()
+    return addresses
+
+
+def net_devices(host: str) -> str | None:
+    """The ``UCX_NET_DEVICES`` value that confines UCX's TCP transport to ``host``'s interfaces.
+
+    None for a wildcard host (every device). Raises :class:`ConfigError` when no interface of
+    this machine holds any of ``host``'s addresses (the control plane could not bind it either).
+    """
+    addresses = host_addresses(host)
+    if not addresses:
+        return None
+    names = sorted({name for name, address in _interface_addresses() if address in addresses})
+    if not names:
+        raise ConfigError(f"p2p host {host[:64]!r} ({', '.join(sorted(addresses))}) is not an "
+                          "address of any network interface of this machine")
+    return ",".join(names)
+
+
+def _ucp_library() -> Any:
+    """libucp as loaded by ucxx (never a second copy), with ``ucp_ep_query`` typed; None if absent."""
+    try:
+        lib = ctypes.CDLL("libucp.so.0", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+    except OSError:
+        return None
+    lib.ucp_ep_query.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.ucp_ep_query.restype = ctypes.c_int
+    return lib
+
+
+_UCP_EP_ATTR_FIELD_REMOTE_SOCKADDR: Final = 1 << 2
+# ucp_ep_attr_t (ucp.h, UCX >= 1.13): uint64 field_mask, char name[32], struct sockaddr_storage
+# local_sockaddr, then remote_sockaddr; a generous buffer covers the fields after it.
+_UCP_EP_ATTR_REMOTE_OFFSET: Final = 8 + 32 + 128
+_UCP_EP_ATTR_BYTES: Final = 1024
+
+
+def _remote_of(endpoint: Any) -> tuple[str, int] | None:
+    """The peer address of a listener-accepted ucxx endpoint's connection (ucp_ep_query); None if
+    UCX cannot tell."""
+    lib = _ucp_library()
+    if lib is None:
+        return None
+    attr = (ctypes.c_char * _UCP_EP_ATTR_BYTES)()
+    ctypes.c_uint64.from_buffer(attr).value = _UCP_EP_ATTR_FIELD_REMOTE_SOCKADDR
+    try:
+        status = lib.ucp_ep_query(ctypes.c_void_p(int(endpoint.ucp_endpoint)), attr)
+    except Exception:  # noqa: BLE001 - an endpoint already gone: nothing to protect
+        return None
+    if status != 0:
+        return None
+    return _sockaddr(ctypes.addressof(attr) + _UCP_EP_ATTR_REMOTE_OFFSET)
+
+
+class _Connection(NamedTuple):
+    """An accepted TCP connection of this process, from ``/proc``."""
+
+    fd: int
+    inode: int
+    local: tuple[str, int]
+    remote: tuple[str, int]
+
+
+def _proc_address(field: str, v6: bool) -> tuple[str, int]:
+    address, _, port = field.partition(":")
+    raw = bytes.fromhex(address)
+    if sys.byteorder == "little":  # /proc prints each 32-bit word in host order
+        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    family = socket.AF_INET6 if v6 else socket.AF_INET
+    return _canonical(socket.inet_ntop(family, raw)), int(port, 16)
+
+
+def _accepted_connections(port: int) -> list[_Connection]:
+    """This process's TCP connections whose local port is ``port`` (Linux ``/proc``), not listeners."""
+    sockets: dict[int, int] = {}  # inode -> fd
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            sockets[int(target[8:-1])] = int(name)
+    found: list[_Connection] = []
+    for table, v6 in (("/proc/self/net/tcp", False), ("/proc/self/net/tcp6", True)):
+        try:
+            with open(table) as lines:
+                rows = lines.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) < 10 or fields[3] == "0A":  # 0A: LISTEN
+                continue
+            local = _proc_address(fields[1], v6)
+            fd = sockets.get(int(fields[9]))
+            if local[1] == port and fd is not None:
+                found.append(_Connection(fd, int(fields[9]), local, _proc_address(fields[2], v6)))
+    return found
+
+
+def _shut_down(connection: _Connection) -> bool:
+    """Shut ``connection`` down under UCX (which then closes its own descriptor); False if its
+    descriptor no longer holds that socket."""
+    try:
+        duplicate = os.dup(connection.fd)
+    except OSError:
+        return False
+    with socket.socket(fileno=duplicate) as sock:  # closing the duplicate leaves UCX's descriptor
+        if os.fstat(duplicate).st_ino != connection.inode:
+            return False  # the descriptor was closed and reused since the listing
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            return False
+    return True
+
+
 def _view(buffer: Any, *, writable: bool) -> memoryview:
     view = memoryview(buffer)
     if not view.c_contiguous:
@@ -254,12 +473,15 @@ class Link:
     closes it). ``send``/``recv`` may be called concurrently from many tasks.
     """
 
-    def __init__(self, endpoint: Any, plane: DataPlane, session_id: str | None) -> None:
+    def __init__(self, endpoint: Any, plane: DataPlane, session_id: str | None,
+                 remote: tuple[str, int] | None = None) -> None:
         self._endpoint = endpoint
         self._plane = plane
         self._closed = False
         #: The session whose token opened the link (producer side); None on the consumer side.
         self.session_id = session_id
+        #: Producer side: the consumer's address on the connection to the data port, if UCX told it.
+        self.remote = remote
 
     @property
     def closed(self) -> bool:
@@ -353,20 +575,30 @@ class DataPlane:
 
     Lifecycle: ``await start()`` (producer side; a consumer-only plane may skip it), then any of
     the methods, then ``await aclose()`` once, by the owner. ``issue_token``, ``revoke`` and
-    ``statistics`` never block.
+    ``statistics`` never block. A producer runs :meth:`guard` in its task group while it serves.
+
+    ``host``: the address this instance serves on (the p2p tier's ``host``). UCX's transport is
+    confined to its interfaces (:func:`net_devices`, when this plane initialises ucxx), and the
+    guard closes connections to the data port that arrive on other addresses. None: no
+    confinement (every interface), the guard only closes connections that present no token.
     """
 
-    def __init__(self, *, accept_timeout_s: float = 5.0) -> None:
+    def __init__(self, *, host: str | None = None, accept_timeout_s: float = 5.0) -> None:
         if not accept_timeout_s > 0:
             raise ValueError(f"accept_timeout_s must be positive, not {accept_timeout_s!r}")
         self.accept_timeout_s = accept_timeout_s
+        self.host = host
+        self._addresses = host_addresses(host) if host is not None else frozenset()
+        self._devices = net_devices(host) if host is not None else None
         self.port: int | None = None
         self._listener: Any = None
         self._closing = False
         self._sessions: dict[str, _Session] = {}
         self._by_token: dict[bytes, str] = {}
         self._links: set[Link] = set()
-        self._handshaking: set[Any] = set()  # endpoints that have not presented a token yet
+        # Endpoints that have not presented a token yet -> their connection's peer address.
+        self._handshaking: dict[Any, tuple[str, int] | None] = {}
+        self._refusals = ThrottledLog(logger, interval_s=10.0)
         self._accepted = 0
         self._refused = 0
         self._bytes_sent = 0
@@ -376,7 +608,7 @@ class DataPlane:
 
     def _use_ucxx(self) -> Any:
         if self._ucxx is None:
-            self._ucxx = _acquire()
+            self._ucxx = _acquire(self._devices)
         return self._ucxx
 
     def statistics(self) -> DataPlaneStatistics:
@@ -512,6 +744,69 @@ class DataPlane:
             with anyio.CancelScope(shield=True):
                 await _release()
 
+    async def guard(self) -> None:
+        """Close the data port's connections that are not links; runs until cancelled.
+
+        Every ``accept_timeout_s / 2`` (at most 1 s) it lists this process's connections to
+        :attr:`port` (Linux ``/proc``, read on a worker thread) and shuts down, under UCX, each one
+        that (a) arrived on an address that is not ``host``'s, at once; (b) is neither a link's
+        nor an endpoint's in its token handshake, once it is ``accept_timeout_s`` old (ucxx's own
+        exchange before the token is bounded by the same timeout); (c) is unproven beyond the
+        newest :data:`MAX_UNPROVEN_CONNECTIONS`. Each counts in ``endpoints_refused``; the log
+        says so at most once per 10 s per kind. Without ``/proc`` or ``ucp_ep_query`` (a link
+        cannot be told from a stranger) it logs that once and returns.
+        """
+        if self.port is None:
+            raise RuntimeError("DataPlane.guard() needs start() first")
+        if _ucp_library() is None or not os.path.isdir("/proc/self/fd"):
+            logger.warning("data plane: cannot list or identify connections here; connections to "
+                           "port %d that present no token are not closed", self.port)
+            return
+        period = min(_GUARD_PERIOD_MAX_S, self.accept_timeout_s / 2)
+        first_seen: dict[int, float] = {}  # inode -> when the guard first saw it unproven
+        shut: set[int] = set()  # inodes shut down, until UCX closes them
+        while not self._closing:
+            await anyio.sleep(period)
+            connections = await anyio.to_thread.run_sync(_accepted_connections, self.port)
+            remotes = [link.remote for link in self._links if link.session_id is not None]
+            remotes += self._handshaking.values()
+            if None in remotes:
+                # UCX did not name some link's connection: closing by age could cut that link.
+                self._refusals("unnamed", "data plane: a link's connection is unknown to UCX; "
+                               "connections to port %d are not closed by age meanwhile", self.port)
+            proven = set(remotes)
+            now = time.monotonic()
+            unproven: list[tuple[float, _Connection]] = []
+            for connection in connections:
+                if connection.remote in proven or connection.inode in shut:
+                    continue
+                if self._addresses and connection.local[0] not in self._addresses:
+                    self._refuse(connection, shut, "arrived on %s, not on the configured host %s",
+                                 connection.local[0], self.host)
+                    continue
+                unproven.append((first_seen.setdefault(connection.inode, now), connection))
+            unproven.sort(key=lambda item: item[0])
+            excess = len(unproven) - MAX_UNPROVEN_CONNECTIONS
+            for i, (seen, connection) in enumerate(unproven):
+                if None in proven:
+                    break
+                if i < excess:
+                    self._refuse(connection, shut, "was one of more than %d unproven connections",
+                                 MAX_UNPROVEN_CONNECTIONS)
+                elif now - seen >= self.accept_timeout_s:
+                    self._refuse(connection, shut, "presented no token within %s s", self.accept_timeout_s)
+            alive = {connection.inode for connection in connections}
+            for inode in [inode for inode in first_seen if inode not in alive]:
+                del first_seen[inode]
+            shut &= alive
+
+    def _refuse(self, connection: _Connection, shut: set[int], why: str, *args: Any) -> None:
+        if _shut_down(connection):
+            shut.add(connection.inode)
+            self._refused += 1
+            self._refusals(why, "data plane: closed a connection from %s that " + why,
+                           f"{connection.remote[0]}:{connection.remote[1]}", *args)
+
     def _forget(self, link: Link) -> None:
         self._links.discard(link)
 
@@ -520,21 +815,22 @@ class DataPlane:
         if self._closing:
             endpoint.abort()
             return
-        self._handshaking.add(endpoint)
+        remote = _remote_of(endpoint)
+        self._handshaking[endpoint] = remote
         self._in_flight += 1
         try:
-            reason = await self._handshake(endpoint)
+            reason = await self._handshake(endpoint, remote)
         finally:
             self._in_flight -= 1
-            self._handshaking.discard(endpoint)
+            self._handshaking.pop(endpoint, None)
         if reason is None:
             return
         endpoint.abort()
         if not self._closing:
             self._refused += 1
-            logger.warning("data plane: closed an endpoint that %s", reason)
+            self._refusals("endpoint", "data plane: closed an endpoint that %s", reason)
 
-    async def _handshake(self, endpoint: Any) -> str | None:
+    async def _handshake(self, endpoint: Any, remote: tuple[str, int] | None) -> str | None:
         """Accept ``endpoint`` as a session's link; or return why it is refused."""
         token = bytearray(TOKEN_BYTES)
         try:
@@ -557,7 +853,7 @@ class DataPlane:
             return f"went away before the acknowledgement ({type(exc).__name__})"
         if self._sessions.get(session_id) is not session or self._closing:
             return "presented a token revoked during the handshake"
-        link = Link(endpoint, self, session_id)
+        link = Link(endpoint, self, session_id, remote)
         session.link = link
         self._links.add(link)
         self._accepted += 1

@@ -15,8 +15,10 @@ Roles come from the request's ``kv_transfer_params`` (validated by
   the cascaded store jobs are *parked* under the id. A consumer's ``Fetch`` binds the id; the
   chunks it asks for are sent from their host slots (``TransferDone`` when all are sent); parked
   jobs finish (pins released) once every one of their chunks was sent, at the empty terminal
-  fetch, when the consumer's session dies, or after ``unbound_store_timeout_s`` (the id is then
-  *reaped*: a late fetch is answered ``TransferDone(success=False)`` at once).
+  fetch, when the consumer's session dies, or once the id has been idle (no fetch of it waiting
+  or sending) for ``unbound_store_timeout_s``, whatever the consumer did before (the id is then
+  *reaped*: a late fetch is answered ``TransferDone(success=False)`` at once). Chunks a peer's
+  ``Lookup`` found are parked (pinned) the same way, under the same timeout.
 * ``remote_prefiller: {kv_request_id, remote_host, remote_port}`` — consumer, classic P/D: every
   key is a HIT (the prefiller holds the prompt); promotions become one ``Fetch`` per step.
 * ``remote_kv_source`` (same fields) — consumer with probing: lookups answer RETRY while a
@@ -29,6 +31,15 @@ refuse a mismatch with a log line naming it. A dead peer (heartbeats, monitor ev
 transfer) has its sessions reaped: the consumer's pending loads fail as misses within
 ``load_timeout_s``; the producer's jobs bound to it are released. Reconnects back off (1 s
 doubling to 60 s).
+
+Bounds on what one consumer session may make the producer hold (each refusal is answered — a
+lookup as MISS, a fetch as ``TransferDone(success=False)`` — counted in ``p2p_limit_refusals`` by
+limit and logged at most once per peer and limit per minute): :data:`MAX_REQUESTS_PER_SESSION`
+request ids looked up or fetched and not finished, :data:`MAX_PENDING_LOOKUP_KEYS` keys waiting
+for an answer, :data:`MAX_FETCHES_PER_SESSION` fetches served at once, and pins: a session's
+lookups may pin at most :data:`SESSION_PIN_SHARE` of the host slots, all sessions' lookups
+together :data:`ALL_SESSIONS_PIN_SHARE` of them, so peers can never take the host tier from the
+local requests.
 
 Requires asyncio (ucxx's asynchronous API does): ``kvtier.open`` refuses it under trio.
 """
@@ -49,6 +60,7 @@ from anyio.abc import TaskStatus
 from kvtier.context import RequestContext
 from kvtier.keys import hash_seed
 from kvtier.layout import run_fingerprint
+from kvtier.throttled_log import ThrottledLog
 from kvtier.tiers.base import ParentManager, SecondaryTier, TierContext, TransferJob, _JobRecord
 from kvtier.tiers.p2p import protocol as p
 from kvtier.tiers.p2p.control import ControlPlane, CurveKeys, PeerDown, PeerUnavailable
@@ -71,6 +83,16 @@ REAPED_ID_RETENTION_S = 60.0
 BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 60.0
 #: Period of the housekeeping task (timeouts are checked this often).
 HOUSEKEEPING_S = 0.2
+#: Producer, per consumer session: request ids looked up or fetched and not finished, at most.
+MAX_REQUESTS_PER_SESSION = 1024
+#: Producer, per consumer session: looked-up keys waiting for their answer, at most.
+MAX_PENDING_LOOKUP_KEYS = 4 * p.MAX_KEYS_PER_MESSAGE
+#: Producer, per consumer session: fetches waiting for their chunks or sending them, at most.
+MAX_FETCHES_PER_SESSION = 64
+#: Producer: the share of the host slots one session's lookups may pin, and all sessions' together.
+SESSION_PIN_SHARE, ALL_SESSIONS_PIN_SHARE = 0.25, 0.5
+#: Labels of ``p2p_limit_refusals``: which of the bounds above refused.
+LIMITS = ("requests", "lookup_keys", "fetches", "pins")
 
 
 @dataclass(eq=False)
@@ -80,6 +102,7 @@ class _Parked:
     record: _JobRecord
     unsent: set[bytes]
     parked_at: float
+    owner: _Served | None = None  # the session whose lookup pinned it (None: a local request's)
 
 
 @dataclass(eq=False)
@@ -90,8 +113,12 @@ class _Served:
     token: bytes
     link: Link | None = None
     lookups: dict[str, _RemoteLookup] = field(default_factory=dict)  # kv_request_id -> state
-    bound: set[str] = field(default_factory=set)  # kv_request_ids its fetches bound
+    # kv_request_ids it looked up or fetched -> when last (bounded by MAX_REQUESTS_PER_SESSION);
+    # those its fetches or lookup hits bound are also in P2PTier._bound.
+    requests: dict[str, float] = field(default_factory=dict)
     fetching: dict[tuple[str, int], anyio.CancelScope] = field(default_factory=dict)
+    pending_keys: int = 0  # keys in its lookups' queues
+    pins: int = 0  # host slots its lookups' parked jobs pin
     last_activity: float = field(default_factory=time.monotonic)
 
 
@@ -177,6 +204,9 @@ class P2PTier(SecondaryTier):
         self._finish_later: list[RequestContext] = []  # remote lookup contexts to finish
         self._sending: dict[str, int] = {}  # kv_request_id -> fetches sending from its slots now
         self._release_after: dict[str, tuple[bool, str]] = {}  # releases waiting for those sends
+        self._serving: dict[str, int] = {}  # kv_request_id -> fetches of it waiting or sending now
+        self._lookup_pins = 0  # host slots pinned by every session's lookups
+        self._limit_log = ThrottledLog(logger, interval_s=60.0)
         # consumer
         self._clients: dict[str, _Client] = {}
         self._backoff: dict[str, tuple[float, float]] = {}  # peer -> (retry at, next delay)
@@ -199,6 +229,9 @@ class P2PTier(SecondaryTier):
         self.m_lookups = self.add_metric("p2p_lookups", "counter",
                                          "Consumer: keys probed at a peer, by outcome (hit, miss, timed_out).",
                                          ("outcome",))
+        self.m_open_requests = self.add_metric(
+            "p2p_open_requests", "gauge",
+            "Producer: request ids consumer sessions looked up or fetched and have not finished.")
         self.m_parked = self.add_metric("p2p_parked_batches", "gauge",
                                         "Producer: store jobs parked until a consumer fetches them.")
         self.m_waiting = self.add_metric("p2p_waiting_fetches", "gauge",
@@ -206,10 +239,21 @@ class P2PTier(SecondaryTier):
         self.m_reaped = self.add_metric("p2p_reaped_ids", "counter",
                                         "Producer: request ids whose parked stores timed out unfetched.")
         self.m_refused_links = self.add_metric(
-            "p2p_data_endpoints_refused", "counter", "UCX endpoints closed for a missing or bad token.")
+            "p2p_data_endpoints_refused", "counter",
+            "Connections to the UCX data port closed: no, a bad or a reused token, another interface.")
+        self.m_limits = self.add_metric(
+            "p2p_limit_refusals", "counter",
+            "Producer: lookups and fetches refused by a per-session bound, by limit.", ("limit",))
+        self.m_connections_refused = self.add_metric(
+            "p2p_connections_refused", "counter",
+            "Producer: control connections refused (CurveZMQ key not trusted, handshake failed), by reason.",
+            ("reason",))
+        for limit in LIMITS:
+            self.m_limits.inc(0, limit)
         for role in ("consumer", "producer"):
             self.m_peers.set(0, role)
         self.m_parked.set(0)
+        self.m_open_requests.set(0)
         self.m_waiting.set(0)
         self._waiting_fetches = 0
 
@@ -217,10 +261,13 @@ class P2PTier(SecondaryTier):
         self.m_peers.set(sum(not c.dead for c in self._clients.values()), "consumer")
         self.m_peers.set(len(self._served), "producer")
         self.m_parked.set(sum(len(v) for v in self._parked.values()))
+        self.m_open_requests.set(sum(len(served.requests) for served in self._served.values()))
         if self._control is not None:
             stats = self._control.statistics()
             for reason, count in stats.messages_rejected.items():
                 self.m_rejected.values[(reason,)] = float(count)
+            for reason, count in stats.connections_refused.items():
+                self.m_connections_refused.values[(reason,)] = float(count)
         if self._data is not None:
             self.m_refused_links.values[()] = float(self._data.statistics().endpoints_refused)
 
@@ -236,7 +283,7 @@ class P2PTier(SecondaryTier):
 
     async def open(self) -> None:
         assert self._tg is not None
-        data = DataPlane()
+        data = DataPlane(host=self.host)
         control = ControlPlane(self.host, self.port, auth=self.auth)
         try:
             self.data_port = await data.start()
@@ -249,8 +296,10 @@ class P2PTier(SecondaryTier):
         self._data, self._control = data, control
         self._tg.start_soon(self._control_loop)
         self._tg.start_soon(self._housekeeping)
-        logger.info("tier %s: p2p control %s, UCX data port %d (bound on all interfaces: ucxx "
-                    "takes no host)", self.label, self.peer_id, self.data_port)
+        self._tg.start_soon(data.guard)
+        logger.info("tier %s: p2p control %s, UCX data port %d (listening on all interfaces: ucxx "
+                    "takes no host; connections not on %s or without a token are closed)",
+                    self.label, self.peer_id, self.data_port, self.host)
 
     async def close(self) -> None:
         # Everything parked or in flight is reported by the base (cancelled) once we return.
@@ -592,8 +641,9 @@ class P2PTier(SecondaryTier):
             return
         self._park(rid, record)
 
-    def _park(self, rid: str, record: _JobRecord) -> None:
-        self._parked.setdefault(rid, []).append(_Parked(record, set(record.job.keys), time.monotonic()))
+    def _park(self, rid: str, record: _JobRecord, owner: _Served | None = None) -> None:
+        self._parked.setdefault(rid, []).append(
+            _Parked(record, set(record.job.keys), time.monotonic(), owner))
         event = self._arrived.pop(rid, None)
         if event is not None:
             event.set()
@@ -615,11 +665,19 @@ class P2PTier(SecondaryTier):
                         scope.cancel()
             return
         for parked in self._parked.pop(rid, []):
+            self._unpin(parked)
             if success:
                 self._succeed(parked.record, time.monotonic() - parked.parked_at, 0)
             else:
                 self._fail(parked.record, reason)
         self._update_gauges()
+
+    def _unpin(self, parked: _Parked) -> None:
+        """Account for a parked job that is about to finish (its pins go with it)."""
+        if parked.owner is not None:
+            count = len(parked.record.job.keys)
+            parked.owner.pins -= count
+            self._lookup_pins -= count
 
     def _succeed(self, record: _JobRecord, elapsed: float, nbytes: int) -> None:
         from kvtier.tiers.base import JobResult
@@ -696,33 +754,52 @@ class P2PTier(SecondaryTier):
             self._violation(peer, "foreign_request_id")
             return
         if not msg.keys:  # terminal: the consumer is done with this id
-            self._release(rid, True, "")
-            self._bound.pop(rid, None)
-            served.bound.discard(rid)
+            if owner in (None, peer):
+                self._release(rid, True, "")
+                self._bound.pop(rid, None)
+            served.requests.pop(rid, None)
             self._end_remote_lookup(served, rid)
             return
-        if len(set(msg.keys)) != len(msg.keys):
-            self._violation(peer, "duplicate_keys")
-            self._control_send(peer, p.TransferDone(kv_request_id=rid, success=False, round_seq=msg.round_seq))
+        failed = p.TransferDone(kv_request_id=rid, success=False, round_seq=msg.round_seq)
+        if len(set(msg.keys)) != len(msg.keys) or (rid, msg.round_seq) in served.fetching:
+            self._violation(peer, "duplicate_keys" if (rid, msg.round_seq) not in served.fetching
+                            else "duplicate_round")
+            self._control_send(peer, failed)
             return
         if rid in self._reaped:
-            self._control_send(peer, p.TransferDone(kv_request_id=rid, success=False, round_seq=msg.round_seq))
+            self._control_send(peer, failed)
+            return
+        if len(served.fetching) >= MAX_FETCHES_PER_SESSION:
+            self._over_limit(served, "fetches")
+            self._control_send(peer, failed)
+            return
+        if not self._admit_request(served, rid):
+            self._control_send(peer, failed)
             return
         self._bound[rid] = peer
-        served.bound.add(rid)
         assert self._tg is not None
         scope = anyio.CancelScope()
         served.fetching[(rid, msg.round_seq)] = scope
+        self._serving[rid] = self._serving.get(rid, 0) + 1
         self._tg.start_soon(self._guarded_serve, served, msg, scope)
 
     async def _guarded_serve(self, served: _Served, msg: p.Fetch, scope: anyio.CancelScope) -> None:
+        rid = msg.kv_request_id
         try:
             await self._serve_fetch(served, msg, scope)
         except Exception:
-            logger.exception("tier %s: serving fetch %s failed", self.label, msg.kv_request_id)
-            served.fetching.pop((msg.kv_request_id, msg.round_seq), None)
+            logger.exception("tier %s: serving fetch %s failed", self.label, rid)
+            served.fetching.pop((rid, msg.round_seq), None)
             self._control_send(served.peer_id, p.TransferDone(
-                kv_request_id=msg.kv_request_id, success=False, round_seq=msg.round_seq))
+                kv_request_id=rid, success=False, round_seq=msg.round_seq))
+        finally:
+            served.fetching.pop((rid, msg.round_seq), None)
+            self._serving[rid] -= 1
+            if not self._serving[rid]:
+                del self._serving[rid]
+                self._arrived.pop(rid, None)  # nobody waits for its stores any more
+            if rid in served.requests:
+                served.requests[rid] = time.monotonic()  # idle from now on
 
     async def _serve_fetch(self, served: _Served, msg: p.Fetch, scope: anyio.CancelScope) -> None:
         rid, round_seq = msg.kv_request_id, msg.round_seq
@@ -819,6 +896,7 @@ class P2PTier(SecondaryTier):
             if parked.unsent:
                 remaining.append(parked)
             else:
+                self._unpin(parked)
                 self._succeed(parked.record, time.monotonic() - parked.parked_at, 0)
         if remaining:
             self._parked[rid] = remaining
@@ -842,13 +920,8 @@ class P2PTier(SecondaryTier):
         logger.warning("tier %s: consumer %s gone (%s); releasing what it had bound", self.label, peer, reason)
         for scope in served.fetching.values():
             scope.cancel()
-        until = time.monotonic() + REAPED_ID_RETENTION_S
-        for rid in list(served.bound):
-            self._bound.pop(rid, None)
-            self._release(rid, False, "peer_lost")
-            self._reaped[rid] = until  # its consumer is gone: late stores fail instead of parking
-        for rid in list(served.lookups):
-            self._end_remote_lookup(served, rid)
+        for rid in list(served.requests):
+            self._forget_request(served, rid, "peer_lost")
         link = self._data.revoke(peer) if self._data is not None else None
         for stale in {id(x): x for x in (link, served.link) if x is not None}.values():
             if self._tg is not None:
@@ -863,13 +936,37 @@ class P2PTier(SecondaryTier):
         served = self._served_of(peer)
         if served is None:
             return
-        state = served.lookups.get(msg.kv_request_id)
+        rid = msg.kv_request_id
+        if not self._admit_request(served, rid):
+            self._answer_miss(served, rid, msg.keys)
+            return
+        room = MAX_PENDING_LOOKUP_KEYS - served.pending_keys
+        if room < len(msg.keys):
+            self._over_limit(served, "lookup_keys", len(msg.keys) - max(0, room))
+            self._answer_miss(served, rid, msg.keys[max(0, room):])
+        keys = msg.keys[:max(0, room)]
+        if not keys:
+            return
+        state = served.lookups.get(rid)
         if state is None:
-            state = served.lookups[msg.kv_request_id] = _RemoteLookup(
-                RequestContext(f"p2p:{peer}:{msg.kv_request_id}"))
+            state = served.lookups[rid] = _RemoteLookup(RequestContext(f"p2p:{peer}:{rid}"))
         give_up = time.monotonic() + LOOKUP_PENDING_TIMEOUT_S
-        state.queue.extend((key, give_up) for key in msg.keys)
+        state.queue.extend((key, give_up) for key in keys)
+        served.pending_keys += len(keys)
         self._notify()  # the engine polls the manager, which calls serve_external_requests
+
+    def _admit_request(self, served: _Served, rid: str) -> bool:
+        """Note the session's activity on ``rid``; False if it is a new id over the session's bound."""
+        if rid not in served.requests and len(served.requests) >= MAX_REQUESTS_PER_SESSION:
+            self._over_limit(served, "requests")
+            return False
+        served.requests[rid] = time.monotonic()
+        return True
+
+    def _answer_miss(self, served: _Served, rid: str, keys: list[bytes]) -> None:
+        if keys:
+            self._control_send(served.peer_id, p.LookupResp(kv_request_id=rid, keys=list(keys),
+                                                            hits=[False] * len(keys)))
 
     def serve_external_requests(self, parent: ParentManager) -> None:
         for ctx in self._finish_later:
@@ -896,25 +993,69 @@ class P2PTier(SecondaryTier):
                         hits.append(False)
                     else:  # HIT_PENDING (a promotion runs) or RETRY: answer once resolved
                         waiting.append((key, give_up))
+                served.pending_keys -= len(state.queue) - len(waiting)
                 state.queue = waiting
-                hit_keys = [k for k, h in zip(keys, hits, strict=True) if h]
-                if hit_keys:
-                    # Pin them now so they cannot be evicted before the fetch; they are served
-                    # like the chunks of a remote_decoder request.
-                    job = parent.create_store_job(hit_keys, state.ctx)
-                    record = _JobRecord(job, "store")
-                    self._register(record)
-                    self._bound[rid] = served.peer_id
-                    served.bound.add(rid)
-                    self._park(rid, record)
+                self._pin_hits(parent, served, rid, state, keys, hits)
                 if keys:
                     self._control_send(served.peer_id, p.LookupResp(kv_request_id=rid, keys=keys, hits=hits))
 
+    def _pin_hits(self, parent: ParentManager, served: _Served, rid: str, state: _RemoteLookup,
+                  keys: list[bytes], hits: list[bool]) -> None:
+        """Pin the chunks found for a peer's lookup (they are served like a remote_decoder
+        request's), within the pin bounds; a hit over them is answered MISS (in place)."""
+        if self._bound.get(rid, served.peer_id) != served.peer_id:
+            hits[:] = [False] * len(hits)  # another consumer's request id: never share its pins
+            return
+        held = self._sources(rid, dict.fromkeys(k for k, h in zip(keys, hits) if h)) if rid in self._parked else {}
+        slots = self._num_slots()
+        room = min(int(slots * SESSION_PIN_SHARE) - served.pins, int(slots * ALL_SESSIONS_PIN_SHARE) - self._lookup_pins)
+        new: list[bytes] = []
+        refused = 0
+        for i, (key, hit) in enumerate(zip(keys, hits)):
+            if not hit or key in held:
+                continue  # already pinned for this id by an earlier lookup: no second pin
+            if len(new) < room:
+                new.append(key)
+            else:
+                hits[i] = False
+                refused += 1
+        if refused:
+            self._over_limit(served, "pins", refused)
+        if not new:
+            return
+        job = parent.create_store_job(new, state.ctx)
+        record = _JobRecord(job, "store")
+        self._register(record)
+        self._bound[rid] = served.peer_id
+        served.pins += len(new)
+        self._lookup_pins += len(new)
+        self._park(rid, record, owner=served)
+
     def _end_remote_lookup(self, served: _Served, rid: str) -> None:
         state = served.lookups.pop(rid, None)
-        if state is not None and state.started:
+        if state is None:
+            return
+        served.pending_keys -= len(state.queue)
+        if state.started:
             self._finish_later.append(state.ctx)
             self._notify()
+
+    def _forget_request(self, served: _Served, rid: str, reason: str) -> None:
+        """The session is done with ``rid`` (died, or left it idle): what it bound is released
+        (failed with ``reason``) and the id reaped; its lookups end."""
+        served.requests.pop(rid, None)
+        if self._bound.get(rid) == served.peer_id:
+            del self._bound[rid]
+            self._release(rid, False, reason)
+            # Its consumer is gone or gave up: late stores fail instead of parking.
+            self._reaped[rid] = time.monotonic() + REAPED_ID_RETENTION_S
+            self._reaped.move_to_end(rid)
+        self._end_remote_lookup(served, rid)
+
+    def _over_limit(self, served: _Served, limit: str, count: int = 1) -> None:
+        self.m_limits.inc(count, limit)
+        self._limit_log(f"{served.peer_id} {limit}", "tier %s: consumer %s is over its %s bound; refused",
+                        self.label, served.peer_id, limit)
 
     # --- control messages ----------------------------------------------------------------------
     async def _control_loop(self) -> None:
@@ -986,8 +1127,17 @@ class P2PTier(SecondaryTier):
                         not client.done_waiters and not any(pr.peer_id == peer for pr in self._probes.values()) \
                         and self._near_session_cap():
                     self._client_died(peer, "idle")
+            for served in list(self._served.values()):
+                for rid, touched in list(served.requests.items()):
+                    if now - touched > self.unbound_store_timeout_s and not self._serving.get(rid):
+                        if rid in self._parked and self._bound.get(rid) == served.peer_id:
+                            logger.warning("tier %s: consumer %s left request %s idle for %.0f s; "
+                                           "releasing what it pinned", self.label, served.peer_id, rid,
+                                           self.unbound_store_timeout_s)
+                            self.m_reaped.inc()
+                        self._forget_request(served, rid, "unbound_timeout")
             for rid, parked in list(self._parked.items()):
-                if rid in self._bound:  # a consumer's fetch bound it: its session decides
+                if rid in self._bound:  # a consumer's fetch or lookup bound it: see above
                     continue
                 if parked and now - min(x.parked_at for x in parked) > self.unbound_store_timeout_s:
                     logger.warning("tier %s: request %s was never fetched within %.0f s; releasing it",
