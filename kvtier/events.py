@@ -12,7 +12,9 @@ Three layers, each usable alone:
   keys (:func:`event_extra_keys`) and group.
 * :class:`ZmqEventPublisher` is an engine component that sends batches on a ZMQ PUB socket from a
   thread it owns, keeps a replay ring buffer behind an optional ROUTER socket, and never blocks the
-  serving path (a full queue drops the batch and counts it).
+  serving path (a full queue drops the batch and counts it). The replay socket is untrusted input:
+  its work per turn of the thread is bounded, replays are rate-limited and malformed requests are
+  counted and summarised in one log line per interval, so no peer can hold back live events.
 
 :func:`run_events_cli` is the ``kvtier events`` subscriber that prints batches as JSON lines.
 """
@@ -31,11 +33,12 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Any, TextIO, Union
 
 import anyio
-from anyio.abc import TaskStatus
 import msgspec
+from anyio.abc import TaskStatus
 
 from kvtier.errors import ConfigError
 from kvtier.keys import split_offload_key
@@ -61,6 +64,8 @@ __all__ = [
     "check_endpoint",
     "estimated_batch_bytes",
     "DEFAULT_MAX_QUEUE_BYTES",
+    "REPLAY_RATE_PER_S",
+    "REPLAY_BURST",
     "offset_endpoint_for_rank",
     "run_events_cli",
 ]
@@ -355,9 +360,14 @@ class PublisherStatistics:
     published_batches: int
     dropped_batches: int
     sequence: int
+    #: Well-formed replay requests answered with the buffered batches.
     replay_requests: int
     #: Estimated bytes held by the queued batches (bounded by ``max_queue_bytes``).
     queue_bytes: int = 0
+    #: Well-formed replay requests refused (over the replay rate): answered with the end marker only.
+    replay_requests_refused: int = 0
+    #: Replay requests ignored because they were not ``[client, "", 8-byte seq]``.
+    replay_requests_malformed: int = 0
 
 
 _TCP_PORT = re.compile(r"^(tcp://.*):(\d+)$")
@@ -389,6 +399,17 @@ _STOP_POLL_S = 0.05  # how often the publisher thread looks at the stop flag and
 _DRAIN_ON_CLOSE_S = 0.5  # queued batches still sent on close, at most this long
 _LINGER_MS = 200
 _MAX_REPLAY_REQUEST_BYTES = 1024
+#: Replays answered per second, over all clients (a token bucket holding up to REPLAY_BURST).
+REPLAY_RATE_PER_S = 5.0
+REPLAY_BURST = 10
+# Per turn of the publisher thread, after the live batches: at most this many replay requests
+# read (and at most _REPLAY_READS_PER_S on average; the rest wait in ZMQ and TCP buffers, which
+# pushes back on the sender) and at most this many replayed batches sent.
+_REPLAY_REQUESTS_PER_TURN = 64
+_REPLAY_READS_PER_S = 2000.0
+_REPLAY_SENDS_PER_TURN = 256
+_LIVE_BATCHES_PER_TURN = 1024
+_REPLAY_REPORT_INTERVAL_S = 10.0  # malformed and refused requests: one summary line at most this often
 _MAX_CLI_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
@@ -401,8 +422,18 @@ class ZmqEventPublisher:
     ``ipc://``/``inproc://`` and connects otherwise; endpoints are offset by
     ``data_parallel_rank`` (:func:`offset_endpoint_for_rank`). With ``replay_endpoint`` a ROUTER
     socket answers ``[client, "", start_seq]`` with every buffered batch (the last
-    ``buffer_steps``) whose seq ≥ start_seq as ``(client, "", topic, seq, payload)`` followed by
-    the end marker ``(client, "", "", -1, "")``.
+    ``buffer_steps``, as they were when the request was read) whose seq ≥ start_seq as
+    ``(client, "", topic, seq, payload)`` followed by the end marker ``(client, "", "", -1, "")``.
+
+    The replay socket cannot hold back live events: each turn of the publisher thread first sends
+    up to 1024 queued live batches, then reads at most 64 replay requests (2000 per second on
+    average) and sends at most 256 replayed batches, round-robin over the replays in progress.
+    Replays are rate-limited over all clients to :data:`REPLAY_RATE_PER_S` per second (bursts of
+    :data:`REPLAY_BURST`, also the most replays in progress at once); a well-formed request beyond
+    that is refused with the end marker alone — an empty replay, which keeps a REQ client able to
+    ask again. Malformed requests are ignored. Refused and malformed requests are counted
+    (:meth:`statistics`) and summarised in one WARNING line per 10 s at most (plus one on close),
+    never one line per request.
 
     Back-pressure: :meth:`publish` never blocks. It enqueues onto a queue bounded by
     ``max_queue_size`` batches and by ``max_queue_bytes`` (an estimate of the memory the queued
@@ -468,7 +499,7 @@ class ZmqEventPublisher:
         self._dropped = 0
         self._queued_bytes = 0
         self._seq = 0
-        self._replay_requests = 0
+        self._replays: _ReplayServer | None = None  # created by the publisher thread
         self._lock = threading.Lock()  # publish() may be called from several threads
         self._encoder = msgspec.msgpack.Encoder()
 
@@ -510,7 +541,9 @@ class ZmqEventPublisher:
             published_batches=self._published,
             dropped_batches=self._dropped,
             sequence=self._seq,
-            replay_requests=self._replay_requests,
+            replay_requests=0 if self._replays is None else self._replays.answered,
+            replay_requests_refused=0 if self._replays is None else self._replays.refused,
+            replay_requests_malformed=0 if self._replays is None else self._replays.malformed,
         )
 
     def _count_dropped(self, n: int) -> None:
@@ -603,23 +636,33 @@ class ZmqEventPublisher:
                 replay.setsockopt(zmq.LINGER, _LINGER_MS)
                 _attach(replay, "events.replay_endpoint", self.replay_endpoint, bind=True)
                 self.last_replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
+                self._replays = _ReplayServer(replay, self.topic.encode())
             anyio.from_thread.run_sync(ready.set)
-            self._serve(pub, replay)
+            self._serve(pub)
         finally:
             for sock in (pub, replay):
                 if sock is not None:
                     sock.close()
             ctx.term()
 
-    def _serve(self, pub: Any, replay: Any) -> None:
+    def _serve(self, pub: Any) -> None:
         topic = self.topic.encode()
         ring: deque[tuple[int, bytes]] = deque(maxlen=self.buffer_steps)
+        replays = self._replays
         while not self._stop.is_set():
-            item = self._take(timeout=_STOP_POLL_S)
-            if item is not None:
+            # Live batches first; the replay work after them is bounded, so whatever arrives on
+            # the replay socket a live batch waits for at most one slice of it.
+            wait = _STOP_POLL_S if replays is None else replays.idle_wait()
+            item = self._take(timeout=wait)
+            sent = 0
+            while item is not None:
                 self._send(pub, topic, ring, item)
-            if replay is not None:
-                self._answer_replays(replay, topic, ring)
+                sent += 1
+                item = self._take() if sent < _LIVE_BATCHES_PER_TURN else None
+            if replays is not None:
+                replays.turn(ring)
+        if replays is not None:
+            replays.report()
         deadline = time.monotonic() + _DRAIN_ON_CLOSE_S
         while time.monotonic() < deadline:
             item = self._take()
@@ -638,25 +681,129 @@ class ZmqEventPublisher:
         self._seq = seq + 1
         self._published += 1
 
-    def _answer_replays(self, replay: Any, topic: bytes, ring: deque[tuple[int, bytes]]) -> None:
+
+class _TokenBucket:
+    """``rate`` tokens per second, holding at most ``capacity``; starts full."""
+
+    def __init__(self, rate: float, capacity: float) -> None:
+        self.rate = rate
+        self.capacity = capacity
+        self._tokens = capacity
+        self._at = time.monotonic()
+
+    def available(self, now: float) -> float:
+        self._tokens = min(self.capacity, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        return self._tokens
+
+    def take(self, now: float, n: float = 1.0) -> bool:
+        if self.available(now) < n:
+            return False
+        self._tokens -= n
+        return True
+
+
+class _ReplayServer:
+    """The replay ROUTER's side of the publisher thread: bounded work per :meth:`turn`.
+
+    Counters are plain ints written by the publisher thread only (read by ``statistics()``).
+    """
+
+    def __init__(self, socket: Any, topic: bytes) -> None:
+        self.socket = socket
+        self.topic = topic
+        self.answered = 0
+        self.refused = 0
+        self.malformed = 0
+        self._replay_tokens = _TokenBucket(REPLAY_RATE_PER_S, REPLAY_BURST)
+        self._read_tokens = _TokenBucket(_REPLAY_READS_PER_S, _REPLAY_REQUESTS_PER_TURN)
+        # Replays in progress: (client, the batches still to send, oldest first).
+        self._active: deque[tuple[bytes, deque[tuple[int, bytes]]]] = deque()
+        self._reported_malformed = 0
+        self._reported_refused = 0
+        self._reported_at = time.monotonic()
+        self._next_report = self._reported_at + _REPLAY_REPORT_INTERVAL_S
+
+    def idle_wait(self) -> float | None:
+        """How long the thread may wait for a live batch before the next turn (``None``: not at all)."""
+        if self._active:
+            return None
+        # Read throttled: come back when a slice of reads is due (sooner if a live batch comes).
+        short = _REPLAY_REQUESTS_PER_TURN - self._read_tokens.available(time.monotonic())
+        return min(_STOP_POLL_S, max(short / _REPLAY_READS_PER_S, 0.001)) if short > 0 else _STOP_POLL_S
+
+    def turn(self, ring: deque[tuple[int, bytes]]) -> None:
+        now = time.monotonic()
+        self._read(ring, now)
+        self._send_slice()
+        if now >= self._next_report:
+            self.report()
+
+    def _read(self, ring: deque[tuple[int, bytes]], now: float) -> None:
         import zmq
 
-        while replay.poll(0, zmq.POLLIN):
-            frames = replay.recv_multipart()
-            # Untrusted input: anything but [client, "", 8-byte seq] is ignored.
-            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
-                logger.warning("ignoring malformed KV event replay request (%d frames)", len(frames))
-                continue
-            self._replay_requests += 1
-            client = frames[0]
-            start = int.from_bytes(frames[2], "big")
+        reads = min(int(self._read_tokens.available(now)), _REPLAY_REQUESTS_PER_TURN)
+        for _ in range(reads):
             try:
-                for seq, payload in list(ring):
-                    if seq >= start:
-                        replay.send_multipart((client, b"", topic, seq.to_bytes(8, "big"), payload), zmq.NOBLOCK)
-                replay.send_multipart((client, b"", b"", _END_OF_REPLAY_SEQ, b""), zmq.NOBLOCK)
+                frames = self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                logger.warning("KV event replay client too slow; replay truncated")
+                return
+            self._read_tokens.take(now)
+            # Untrusted input: anything but [client, "", 8-byte seq] is ignored (and counted).
+            if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+                self.malformed += 1
+                continue
+            client = frames[0]
+            if len(self._active) >= REPLAY_BURST or not self._replay_tokens.take(now):
+                self.refused += 1
+                self._send(client, (b"", _END_OF_REPLAY_SEQ, b""))
+                continue
+            self.answered += 1
+            start = int.from_bytes(frames[2], "big")
+            # The ring's seqs are contiguous: skip straight to ``start``.
+            skip = max(0, start - ring[0][0]) if ring else 0
+            self._active.append((client, deque(islice(ring, skip, None))))
+
+    def _send_slice(self) -> None:
+        """Send up to _REPLAY_SENDS_PER_TURN replayed batches, round-robin over the replays."""
+        budget = _REPLAY_SENDS_PER_TURN
+        while self._active and budget > 0:
+            client, pending = self._active.popleft()
+            share = max(1, budget // (len(self._active) + 1))
+            while pending and share > 0:
+                seq, payload = pending.popleft()
+                self._send(client, (self.topic, seq.to_bytes(8, "big"), payload))
+                share -= 1
+                budget -= 1
+            if pending:
+                self._active.append((client, pending))
+            else:
+                self._send(client, (b"", _END_OF_REPLAY_SEQ, b""))
+
+    def _send(self, client: bytes, frames: tuple[bytes, bytes, bytes]) -> None:
+        import zmq
+
+        # A ROUTER never blocks: beyond the client's SNDHWM, or for a client gone, ZMQ drops.
+        try:
+            self.socket.send_multipart((client, b"", *frames), zmq.NOBLOCK)
+        except zmq.Again:  # pragma: no cover - only with ROUTER_MANDATORY, which is not set
+            pass
+
+    def report(self) -> None:
+        """Log what was refused or ignored since the last report, in one line (if anything)."""
+        now = time.monotonic()
+        malformed = self.malformed - self._reported_malformed
+        refused = self.refused - self._reported_refused
+        if malformed or refused:
+            logger.warning(
+                "KV event replay endpoint: ignored %d malformed requests and refused %d over the rate "
+                "limit (%g replays/s) in the last %.1f s",
+                malformed, refused, REPLAY_RATE_PER_S, now - self._reported_at,
+            )
+        self._reported_malformed = self.malformed
+        self._reported_refused = self.refused
+        self._reported_at = now
+        self._next_report = now + _REPLAY_REPORT_INTERVAL_S
 
 
 def _attach(socket: Any, key: str, endpoint: str, *, bind: bool) -> None:

@@ -378,6 +378,10 @@ class _Collector:
             [], s.dropped_batches
         )
         f.gauge("kvtier_events_sequence", "Sequence number of the next KV event batch.").add_metric([], s.sequence)
+        replays = f.counter("kvtier_events_replay_requests", "KV event replay requests, by outcome.", ["outcome"])
+        replays.add_metric(["answered"], s.replay_requests)
+        replays.add_metric(["refused"], s.replay_requests_refused)
+        replays.add_metric(["malformed"], s.replay_requests_malformed)
 
 
 def _labels_of(family: Metric) -> list[str]:
