@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import NoReturn, TextIO
 
 __all__ = ["main", "COMMANDS", "CliParser", "exit_codes_epilog", "version"]
 
@@ -121,7 +122,8 @@ def _load(command: str) -> Callable[[list[str]], int] | str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``kvtier ARGS``; returns the exit status (0 success, 2 bad arguments)."""
+    """Run ``kvtier ARGS``; returns the exit status (0 success, 1 the command failed, an output
+    that cannot be written included, 2 bad arguments)."""
     args = list(sys.argv[1:] if argv is None else argv)
     parser = _top_parser()
     if not args:
@@ -144,6 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if isinstance(function, str):
         print(function, file=sys.stderr)
         return 2
+    return _flushed(command, _run(function, rest))
+
+
+def _run(function: Callable[[list[str]], int], rest: list[str]) -> int:
     try:
         return int(function(rest))
     except SystemExit as exc:  # a command's argparse exiting (--help, usage errors)
@@ -156,6 +162,42 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _flushed(command: str, status: int) -> int:
+    """``status`` once what the command wrote is flushed. An output that cannot be written (a
+    closed pipe, a full disk) makes a success status 1 — never 2, which says the arguments were
+    wrong — and leaves nothing for the interpreter to fail on at exit (status 120, a traceback)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError) as exc:  # ValueError: the stream was closed
+            if status == 0:
+                status = 1
+                if stream is sys.stdout:
+                    _say(f"kvtier {command}: error: cannot write the output: "
+                         f"{getattr(exc, 'strerror', None) or exc}")
+            _drop_pending(stream)
+    return status
+
+
+def _say(line: str) -> None:
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        _drop_pending(sys.stderr)
+
+
+def _drop_pending(stream: TextIO) -> None:
+    """Point ``stream``'s descriptor at /dev/null, so that what it still holds goes nowhere."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, stream.fileno())
+        finally:
+            os.close(devnull)
+    except (OSError, ValueError):  # no descriptor (a stream in memory): nothing to flush at exit
+        pass
 
 
 if __name__ == "__main__":  # pragma: no cover

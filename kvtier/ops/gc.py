@@ -19,10 +19,15 @@ following a link). A load that opened the file before the unlink reads the whole
 load after it misses; the tier verifies every load, so a removed chunk is at worst a miss, never
 wrong bytes. The engines notice the freed space at their next rescan.
 
+Each file to remove is written (``to be removed PATH ...``; with ``--json`` on stderr, as the
+document records the outcome) and flushed before it is removed: an output that fails removes
+nothing unreported (exit 1). Names are printed escaped (:func:`kvtier.ops.runs.printable`).
+
 Sizes: ``10G``, ``512MiB``, ``1.5GiB`` (powers of 1024), ``20GB`` (powers of 1000), plain bytes.
 
 Exit status: 0 when the chunk files are (or, with ``--dry-run``, would be) at or under the cap;
-1 when removals failed and ROOT is still over it; 2 on usage errors.
+1 when removals failed and ROOT is still over it, or the output could not be written; 2 on
+usage errors.
 
 ``--json`` prints one document::
 
@@ -38,11 +43,11 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from kvtier.ops import runs as _runs
-from kvtier.ops.runs import discover, format_bytes, list_tree, run_on_root
+from kvtier.ops.runs import discover, format_bytes, list_tree, printable_report, run_on_root
 from kvtier.tiers import fs_beneath, fs_io
 
 __all__ = ["run_gc_cli", "build_parser", "gc_root"]
@@ -50,7 +55,7 @@ __all__ = ["run_gc_cli", "build_parser", "gc_root"]
 _EPILOG = """\
 exit status:
   0  the chunk files under ROOT are (or would be, with --dry-run) at or under --max-bytes
-  1  some removals failed and ROOT is still over --max-bytes
+  1  some removals failed and ROOT is still over --max-bytes, or the output could not be written
   2  usage error (bad arguments or size, ROOT missing or not a directory)
 
 sizes: 10G, 512MiB, 1.5GiB (powers of 1024), 20GB (powers of 1000), or plain bytes
@@ -85,8 +90,14 @@ def _size_arg(text: str) -> int:
     return value
 
 
-def gc_root(root_fd: int, root: str, *, max_bytes: int, dry_run: bool = False) -> dict[str, Any]:
-    """Evict oldest chunk files under ROOT (open as ``root_fd``) until at most ``max_bytes``."""
+def gc_root(root_fd: int, root: str, *, max_bytes: int, dry_run: bool = False,
+            before_removing: Callable[[list[dict[str, Any]]], None] | None = None) -> dict[str, Any]:
+    """Evict oldest chunk files under ROOT (open as ``root_fd``) until at most ``max_bytes``.
+
+    ``before_removing(entries)``: called with the ``removed`` entries (path, bytes, mtime) that
+    are about to be removed, before any of them is: first the oldest files that bring ROOT under
+    the cap, then, after removals that failed, the next ones needed. The command writes them
+    there, and what it raises (an output that fails) stops gc before it removes them."""
     found = discover(root_fd)
     candidates: list[tuple[float, str, str, int]] = []  # (mtime, tree, relpath, size)
     for run in found.runs:
@@ -99,22 +110,34 @@ def gc_root(root_fd: int, root: str, *, max_bytes: int, dry_run: bool = False) -
     removed: list[dict[str, Any]] = []
     failed: list[dict[str, Any]] = []
     tree_fds: dict[str, int] = {}
+    following = iter(candidates)
     try:
-        for mtime, tree, relpath, size in candidates:
-            if total <= max_bytes:
+        while total > max_bytes:
+            # The oldest files that bring ROOT under the cap if every removal succeeds.
+            batch, projected = [], total
+            for candidate in following:
+                batch.append(candidate)
+                projected -= candidate[3]
+                if projected <= max_bytes:
+                    break
+            if not batch:
                 break
-            path = f"{tree}/{relpath}"
-            if not dry_run:
-                try:
-                    fd = tree_fds.get(tree)
-                    if fd is None:
-                        fd = tree_fds[tree] = fs_beneath.open_dir(root_fd, tree)
-                    fs_io.remove_file(fd, relpath)  # False: already gone (an engine evicted it): freed all the same
-                except OSError as exc:
-                    failed.append({"path": path, "error": str(exc)})
-                    continue
-            removed.append({"path": path, "bytes": size, "mtime": mtime})
-            total -= size
+            entries = [{"path": f"{tree}/{relpath}", "bytes": size, "mtime": mtime}
+                       for mtime, tree, relpath, size in batch]
+            if not dry_run and before_removing is not None:
+                before_removing(entries)
+            for (_, tree, relpath, size), entry in zip(batch, entries):
+                if not dry_run:
+                    try:
+                        fd = tree_fds.get(tree)
+                        if fd is None:
+                            fd = tree_fds[tree] = fs_beneath.open_dir(root_fd, tree)
+                        fs_io.remove_file(fd, relpath)  # False: already gone (an engine evicted it): freed all the same
+                    except OSError as exc:
+                        failed.append({"path": entry["path"], "error": str(exc)})
+                        continue
+                removed.append(entry)
+                total -= size
     finally:
         for fd in tree_fds.values():
             os.close(fd)
@@ -132,16 +155,37 @@ def run_gc_cli(argv: Sequence[str], *, out: TextIO | None = None) -> int:
     return run_on_root("gc", build_parser(), argv, lambda args, root_fd: _gc(args, root_fd, stream))
 
 
+def _entry_line(verb: str, item: dict[str, Any]) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(item["mtime"]))
+    return f"{verb} {item['path']}  {item['bytes']} bytes  mtime {when}"
+
+
 def _gc(args: argparse.Namespace, root_fd: int, out: TextIO) -> int:
-    report = gc_root(root_fd, args.root, max_bytes=args.max_bytes, dry_run=args.dry_run)
+    # Each file is written (flushed) before it is removed: an output that fails removes nothing
+    # unreported. With --json the document records what was removed: the entries go to stderr.
+    listing = sys.stderr if args.json else out
+    batches = [0]
+
+    def report_before_removing(entries: list[dict[str, Any]]) -> None:
+        shown = printable_report(entries, listing)
+        for item in shown:
+            print(_entry_line("to be removed", item), file=listing)
+        more = " more" if batches[0] else ""  # after removals that failed
+        batches[0] += 1
+        print(f"removing {len(entries)}{more} files ({format_bytes(sum(i['bytes'] for i in entries))})", file=listing)
+        listing.flush()
+
+    report = gc_root(root_fd, args.root, max_bytes=args.max_bytes, dry_run=args.dry_run,
+                     before_removing=report_before_removing)
     if args.json:
         _runs.write_json(report, out)
     else:
+        shown = printable_report(report, out)
         verb = "would remove" if args.dry_run else "removed"
-        for item in report["removed"]:
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(item["mtime"]))
-            print(f"{verb} {item['path']}  {item['bytes']} bytes  mtime {when}", file=out)
-        for item in report["failed"]:
+        if args.dry_run:
+            for item in shown["removed"]:
+                print(_entry_line(verb, item), file=out)
+        for item in shown["failed"]:
             print(f"FAILED {item['path']}: {item['error']}", file=out)
         print(f"{verb} {len(report['removed'])} files ({format_bytes(sum(i['bytes'] for i in report['removed']))}); "
               f"chunk files under ROOT: {format_bytes(report['bytes_before'])} -> "

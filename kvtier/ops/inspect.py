@@ -16,8 +16,9 @@ exist too, then it is a trailer-less vLLM tree); ``--slot-bytes`` overrides the 
 verify`` confirms it from the trailers.
 
 Exit status: 0 when nothing is wrong by stat alone; 1 when ROOT holds unsafe entries, stray
-entries, invalid run directories or orphan trees; 2 on usage errors (including a ROOT that does
-not exist or is not a directory).
+entries, invalid run directories or orphan trees, or the output could not be written; 2 on
+usage errors (including a ROOT that does not exist or is not a directory). Names are printed
+escaped (:func:`kvtier.ops.runs.printable`), in the text and the JSON alike.
 
 ``--json`` prints one document::
 
@@ -61,7 +62,8 @@ __all__ = ["run_inspect_cli", "build_parser", "inspect_root"]
 _EPILOG = """\
 exit status:
   0  nothing wrong by stat alone
-  1  unsafe entries (links, special files), stray entries, invalid run directories or orphan trees
+  1  unsafe entries (links, special files), stray entries, invalid run directories or orphan trees;
+     or the output could not be written
   2  usage error (bad arguments, ROOT missing or not a directory)
 """
 
@@ -167,6 +169,7 @@ def _when(ts: float | None) -> str:
 
 
 def _print_text(report: dict[str, Any], out: TextIO) -> None:
+    """``report`` (already :func:`~kvtier.ops.runs.printable_report`) as text."""
     t = report["totals"]
     print(f"root {report['root']}: {t['runs']} run(s), {t['trees']} rank tree(s)", file=out)
     for run in report["runs"]:
@@ -216,5 +219,5 @@ def _inspect(args: argparse.Namespace, root_fd: int, out: TextIO) -> int:
     if args.json:
         _runs.write_json(report, out)
     else:
-        _print_text(report, out)
+        _print_text(_runs.printable_report(report, out), out)
     return 1 if _has_problems(report) else 0

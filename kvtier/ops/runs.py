@@ -65,6 +65,9 @@ __all__ = [
     "IN_PROCESS_TOPS",
     "run_on_root",
     "count_arg",
+    "printable",
+    "printable_report",
+    "write_json",
 ]
 
 _MAX_CONFIG_JSON_BYTES = 1 << 20  # as the fs tier
@@ -126,9 +129,74 @@ class TreeListing:
     stray: list[FileEntry] = field(default_factory=list)
 
 
+def printable(text: str, encoding: str | None = None) -> str:
+    """``text`` (a file name, or any string from disk or the command line) as operator output.
+
+    File names are bytes: one that is not UTF-8 reaches Python with its bytes as lone surrogates
+    (``os.fsdecode``), which no UTF-8 stream can write, and any name may hold control characters
+    (a terminal escape sequence, a newline that forges a line of the report). Shown escaped:
+
+    * a byte that is not UTF-8, and an ASCII control character (0x00-0x1f, 0x7f): ``\\xNN``,
+      the byte as it is on disk;
+    * another character that is not printable (C1 controls, bidirectional overrides, zero-width
+      characters: ``str.isprintable``) or that ``encoding`` (the output's) cannot encode:
+      ``\\uNNNN`` or ``\\UNNNNNNNN``, the code point (UTF-8 on disk);
+    * a backslash: ``\\\\``, so that every escape reads one way.
+
+    Any other character is shown as it is."""
+    if text.isprintable() and "\\" not in text and _encodes(text, encoding):
+        return text
+    shown = []
+    for char in text:
+        code = ord(char)
+        if char == "\\":
+            shown.append("\\\\")
+        elif 0xDC80 <= code <= 0xDCFF:  # os.fsdecode's surrogate escape of byte (code - 0xDC00)
+            shown.append(f"\\x{code - 0xDC00:02x}")
+        elif char.isprintable() and _encodes(char, encoding):
+            shown.append(char)
+        elif code < 0x80:
+            shown.append(f"\\x{code:02x}")
+        elif code <= 0xFFFF:
+            shown.append(f"\\u{code:04x}")
+        else:
+            shown.append(f"\\U{code:08x}")
+    return "".join(shown)
+
+
+def _encodes(text: str, encoding: str | None) -> bool:
+    if encoding is None:
+        return True
+    try:
+        text.encode(encoding)
+    except UnicodeEncodeError:
+        return False
+    except LookupError:  # an encoding Python does not know: keep to ASCII
+        return text.isascii()
+    return True
+
+
+def printable_report(report: Any, out: TextIO | None = None) -> Any:
+    """``report`` (a command's ``--json`` document) with every string, keys included, made
+    :func:`printable` for ``out`` (its encoding): what its text and JSON output are written from."""
+    encoding = getattr(out, "encoding", None) if out is not None else None
+    return _printable_document(report, encoding if isinstance(encoding, str) else None)
+
+
+def _printable_document(document: Any, encoding: str | None) -> Any:
+    if isinstance(document, str):
+        return printable(document, encoding)
+    if isinstance(document, dict):
+        return {printable(str(k), encoding): _printable_document(v, encoding) for k, v in document.items()}
+    if isinstance(document, (list, tuple)):
+        return [_printable_document(v, encoding) for v in document]
+    return document
+
+
 def write_json(report: dict[str, Any], out: TextIO) -> None:
-    """An operator command's ``--json`` output: one indented document with sorted keys."""
-    json.dump(report, out, indent=2, sort_keys=True)
+    """An operator command's ``--json`` output: one indented document with sorted keys, every
+    string :func:`printable` (so the document is ASCII: valid UTF-8, nothing a terminal acts on)."""
+    json.dump(printable_report(report), out, indent=2, sort_keys=True)
     out.write("\n")
 
 
@@ -137,11 +205,11 @@ def open_root(path: str) -> int:
     try:
         return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise RootError(f"{path}: no such directory") from None
+        raise RootError(f"{printable(path)}: no such directory") from None
     except NotADirectoryError:
-        raise RootError(f"{path}: not a directory") from None
+        raise RootError(f"{printable(path)}: not a directory") from None
     except OSError as exc:
-        raise RootError(f"{path}: cannot open ({exc.strerror or exc})") from None
+        raise RootError(f"{printable(path)}: cannot open ({exc.strerror or exc})") from None
 
 
 def _read_config(root_fd: int, name: str) -> dict[str, Any]:
@@ -365,8 +433,9 @@ def run_on_root(name: str, parser: argparse.ArgumentParser, argv: Sequence[str],
     """The frame of every operator command: parse ``argv``, open ROOT, return ``body(args, root_fd)``.
 
     Usage errors, an unusable ROOT and a ``ValueError`` from ``body`` (a bad combination of
-    arguments) print one line and give status 2; an ``OSError`` while working gives 1. ROOT's
-    descriptor is closed whatever happens.
+    arguments) print one line and give status 2; an ``OSError`` while working, or an output that
+    cannot be written (a closed pipe, a full disk, a character its encoding lacks), gives 1.
+    ROOT's descriptor is closed whatever happens.
     """
     try:
         args = parser.parse_args(list(argv))
@@ -375,19 +444,33 @@ def run_on_root(name: str, parser: argparse.ArgumentParser, argv: Sequence[str],
     try:
         root_fd = open_root(args.root)
     except RootError as exc:
-        print(f"kvtier {name}: error: {exc}", file=sys.stderr)
+        _error(name, str(exc))
         return 2
     try:
         return body(args, root_fd)
+    except UnicodeError as exc:  # a ValueError, but the output's trouble, not the arguments'
+        _error(name, f"cannot write the report: {exc}")
+        return 1
     except ValueError as exc:
-        print(f"kvtier {name}: error: {exc}", file=sys.stderr)
+        _error(name, str(exc))
         return 2
     except OSError as exc:
         text = exc.strerror if exc.strerror is not None else str(exc)  # not "[Errno 32] ..."
-        print(f"kvtier {name}: error: {text if exc.filename is None else f'{exc.filename}: {text}'}", file=sys.stderr)
+        where = exc.filename
+        _error(name, text if where is None
+               else f"{printable(os.fsdecode(where) if isinstance(where, (str, bytes)) else str(where))}: {text}")
         return 1
     finally:
         os.close(root_fd)
+
+
+def _error(command: str, text: str) -> None:
+    """One error line on stderr; nothing when stderr itself cannot be written (the status says it)."""
+    try:
+        print(f"kvtier {command}: error: {text}", file=sys.stderr)
+        sys.stderr.flush()
+    except OSError:
+        pass
 
 
 def count_arg(text: str, *, most: int | None = None) -> int:

@@ -21,7 +21,10 @@ orphan trees and links bearing run or tree names are reported as problems and ne
 ``--repair`` removes every problem file but the unreadable ones
 (:func:`kvtier.tiers.fs_io.remove_file`: a link is removed itself, never its target; a directory
 only when empty). It is safe next to running engines: their loads verify every file, and a file
-removed under them is a miss.
+removed under them is a miss. The report — every entry to remove, and the summary — is written
+and flushed before anything is removed (with ``--json``, that listing goes to stderr: the
+document records the outcome); an output that fails removes nothing (exit 1). Names are printed
+escaped (:func:`kvtier.ops.runs.printable`), in the text and the JSON alike.
 
 ``slot_bytes`` (the run fields do not record the KV geometry) is read from the trailers: the
 length field of a file of one of the most common sizes; ``--slot-bytes`` overrides it. When no
@@ -47,7 +50,8 @@ nothing. ``benchmarks/verify.py`` compares the read-and-check phase with raw rea
 files (see its docstring and ``docs/operators.md`` for what it measured).
 
 Exit status: 0 no problems (or all repaired), 1 problems found and not repaired (or the check
-could not finish: a worker died or broke protocol; the error line says which), 2 usage errors.
+could not finish: a worker died or broke protocol, the error line says which; or the output
+could not be written), 2 usage errors.
 
 ``--json`` prints one document::
 
@@ -80,7 +84,7 @@ from typing import Any, TextIO
 
 from kvtier.layout import Namespace
 from kvtier.ops import runs as _runs
-from kvtier.ops.runs import Progress, discover, format_bytes, list_tree, run_on_root
+from kvtier.ops.runs import Progress, discover, format_bytes, list_tree, printable_report, run_on_root
 from kvtier.ops.verify_workers import VERDICTS, Checker, CheckRequest, VerifyWorkers
 from kvtier.tiers import fs_beneath, fs_io
 from kvtier.tiers.integrity import MAGIC, TRAILER_PAGE, identity
@@ -102,7 +106,8 @@ _IO_DEPTH = 32  # reads in flight (all readers) for files not in the page cache:
 _EPILOG = """\
 exit status:
   0  no problems found (or every one repaired with --repair)
-  1  problems found and not repaired, or the check could not finish (a worker failed)
+  1  problems found and not repaired, the check could not finish (a worker failed), or the
+     output could not be written
   2  usage error (bad arguments, ROOT missing or not a directory, no run matches --run)
 """
 
@@ -187,10 +192,15 @@ def _raw_slot_guess(sizes: list[int]) -> int | None:
 
 def verify_root(root_fd: int, root: str, *, workers: int, io_depth: int = _IO_DEPTH, run_filter: str | None = None,
                 repair: bool = False, slot_bytes: int | None = None, tmp_grace_s: float = 3600.0,
-                progress_stream: TextIO | None = None) -> dict[str, Any]:
+                progress_stream: TextIO | None = None,
+                before_repair: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Verify (and with ``repair`` clean) ROOT open as ``root_fd``; the ``--json`` document.
     ``workers``: readers (more than one: worker processes, see the module docstring);
     ``io_depth``: reads in flight over all of them for files not in the page cache.
+    ``before_repair(report)``: with ``repair``, called once every file is checked and before
+    anything is removed, with the report as found (no problem ``repaired`` yet): the command
+    writes its report there, and what it raises (an output that fails) stops the repair with
+    nothing removed.
 
     ``ValueError`` when ``run_filter`` matches no run or ``workers``/``io_depth`` is below 1;
     ``OSError`` when a worker fails or this process runs out of descriptors or memory."""
@@ -199,7 +209,7 @@ def verify_root(root_fd: int, root: str, *, workers: int, io_depth: int = _IO_DE
     found = discover(root_fd)
     selected = [r for r in found.runs if run_filter is None or run_filter in (r.digest, r.name)]
     if run_filter is not None and not selected:
-        raise ValueError(f"no run with digest or name {run_filter!r} under {root}")
+        raise ValueError(f"no run with digest or name {run_filter!r} under {_runs.printable(root)}")
     trees: list[_Tree] = []
     tree_fds: list[int] = []
     now = time.time()
@@ -265,15 +275,11 @@ def verify_root(root_fd: int, root: str, *, workers: int, io_depth: int = _IO_DE
                 problems.append(_problem(t, entry.relpath, verdict, entry.size, False))
         for p in problems:
             counts[p["reason"]] += 1
-        if repair:
-            by_name = {t.name: t for t in trees}
-            for p in problems:
-                p["repaired"] = p["reason"] not in _KEPT and _remove(by_name[p["tree"]].fd, p["relpath"])
-        left = sum(1 for p in problems if not p["repaired"]) + unchecked
-        left += len(found.invalid_runs) + len(found.orphan_trees) + len(found.unsafe_entries) \
-            if run_filter is None else 0
+        # Problems --repair never touches: unchecked files and those directly under ROOT.
+        left_alone = unchecked + (len(found.invalid_runs) + len(found.orphan_trees) + len(found.unsafe_entries)
+                                  if run_filter is None else 0)
         elapsed = checked["elapsed"]
-        return {
+        report = {
             "root": root,
             "workers": workers,
             "io_depth": io_depth,
@@ -290,21 +296,28 @@ def verify_root(root_fd: int, root: str, *, workers: int, io_depth: int = _IO_DE
             "trees": [{"name": t.name, "run": t.run, "rank": t.rank, "slot_bytes": t.slot,
                        "slot_bytes_source": t.slot_source, "chunk_files": len(t.listing.chunks)} for t in trees],
             "problems": [{"path": f"{p['tree']}/{p['relpath']}", "reason": p["reason"], "bytes": p["bytes"],
-                          "repaired": p["repaired"]} for p in problems],
+                          "repaired": False} for p in problems],
             "unverified": unverified,
             "invalid_runs": [{"name": n, "reason": r} for n, r in found.invalid_runs] if run_filter is None else [],
             "orphan_trees": found.orphan_trees if run_filter is None else [],
             "unsafe_entries": found.unsafe_entries if run_filter is None else [],
-            "problems_left": left,
+            "problems_left": len(problems) + left_alone,
         }
+        if repair:
+            if before_repair is not None:
+                before_repair(report)
+            by_name = {t.name: t for t in trees}
+            for p, shown in zip(problems, report["problems"]):
+                shown["repaired"] = p["reason"] not in _KEPT and _remove(by_name[p["tree"]].fd, p["relpath"])
+            report["problems_left"] = sum(1 for p in report["problems"] if not p["repaired"]) + left_alone
+        return report
     finally:
         for fd in tree_fds:
             os.close(fd)
 
 
 def _problem(tree: _Tree, relpath: str, reason: str, size: int, is_dir: bool) -> dict[str, Any]:
-    return {"tree": tree.name, "relpath": relpath, "reason": reason, "bytes": 0 if is_dir else size,
-            "repaired": False}
+    return {"tree": tree.name, "relpath": relpath, "reason": reason, "bytes": 0 if is_dir else size}
 
 
 def _remove(tree_fd: int, relpath: str) -> bool:
@@ -408,21 +421,39 @@ def _slot_of(tree: _Tree) -> int:
     return tree.slot
 
 
-def _print_text(report: dict[str, Any], out: TextIO) -> None:
+def _removing(report: dict[str, Any], problem: dict[str, Any]) -> bool:
+    """Whether ``--repair`` removes (or removed) this problem entry."""
+    return bool(report["repair"]) and problem["reason"] not in _KEPT
+
+
+def _problem_line(report: dict[str, Any], problem: dict[str, Any]) -> str:
+    state = (" (to remove)" if _removing(report, problem) else " (kept)") if report["repair"] else ""
+    return f"  {problem['reason']:<12} {problem['path']}{state}"
+
+
+def _repair_line(report: dict[str, Any]) -> str:
+    removing = sum(1 for p in report["problems"] if _removing(report, p))
+    return f"repair: removing {removing} of {len(report['problems'])} problem entries"
+
+
+def _print_check(report: dict[str, Any], out: TextIO) -> None:
+    """What the check found (``report`` already :func:`~kvtier.ops.runs.printable_report`):
+    with ``--repair``, written before anything is removed, naming every entry it will remove."""
     readers = f"{report['workers']} worker processes" if report["workers"] > 1 else "read in this process"
     print(f"root {report['root']}: {len(report['trees'])} rank tree(s), {readers}", file=out)
     for t in report["trees"]:
         slot = "unknown" if t["slot_bytes"] is None else f"{t['slot_bytes']} ({t['slot_bytes_source']})"
         print(f"  tree {t['name']}: {t['chunk_files']} chunk files, slot bytes {slot}", file=out)
-    shown: collections.Counter[str] = collections.Counter()
+    listed: collections.Counter[str] = collections.Counter()
+    hidden: collections.Counter[str] = collections.Counter()
     for p in report["problems"]:
-        shown[p["reason"]] += 1
-        if shown[p["reason"]] <= 20:
-            state = " (removed)" if p["repaired"] else (" (NOT removed)" if report["repair"] else "")
-            print(f"  {p['reason']:<12} {p['path']}{state}", file=out)
-    for reason, n in shown.items():
-        if n > 20:
-            print(f"  {reason:<12} ... {n - 20} more", file=out)
+        if _removing(report, p) or listed[p["reason"]] < 20:  # what is removed is always named
+            listed[p["reason"]] += 1
+            print(_problem_line(report, p), file=out)
+        else:
+            hidden[p["reason"]] += 1
+    for reason, n in hidden.items():
+        print(f"  {reason:<12} ... {n} more", file=out)
     for path in report["unverified"][:20]:
         print(f"  {'unverified':<12} {path} (trailer-less, vLLM's format: kept)", file=out)
     if len(report["unverified"]) > 20:
@@ -440,12 +471,21 @@ def _print_text(report: dict[str, Any], out: TextIO) -> None:
           f"{'  unchecked (slot size unknown: use --slot-bytes)=' + str(report['unchecked']) if report['unchecked'] else ''}"
           f"{'  tmp in progress=' + str(report['tmp_in_progress']) if report['tmp_in_progress'] else ''}",
           file=out)
+    print(f"read {format_bytes(report['bytes_read'])} in {report['elapsed_s']:.3f} s: "
+          f"{report['gib_per_s']:.2f} GiB/s", file=out)
     if report["repair"]:
+        print(_repair_line(report), file=out)
+
+
+def _print_outcome(report: dict[str, Any], out: TextIO) -> None:
+    """What is left (and with ``--repair``, what could not be removed), after the check's report."""
+    if report["repair"]:
+        for p in report["problems"]:
+            if _removing(report, p) and not p["repaired"]:
+                print(f"  NOT removed  {p['path']}", file=out)
         removed = sum(1 for p in report["problems"] if p["repaired"])
         print(f"repaired: removed {removed} of {len(report['problems'])} problem entries", file=out)
     print(f"problems left: {report['problems_left']}", file=out)
-    print(f"read {format_bytes(report['bytes_read'])} in {report['elapsed_s']:.3f} s: "
-          f"{report['gib_per_s']:.2f} GiB/s", file=out)
 
 
 def run_verify_cli(argv: Sequence[str], *, out: TextIO | None = None) -> int:
@@ -455,11 +495,28 @@ def run_verify_cli(argv: Sequence[str], *, out: TextIO | None = None) -> int:
 
 
 def _verify(args: argparse.Namespace, root_fd: int, out: TextIO) -> int:
+    def report_before_repair(report: dict[str, Any]) -> None:
+        # Everything it will remove is written (flushed) first: an output that fails removes nothing.
+        if args.json:  # the document records what was removed: the entries go to stderr now
+            shown = printable_report(report, sys.stderr)
+            for p in shown["problems"]:
+                if _removing(shown, p):
+                    print(_problem_line(shown, p), file=sys.stderr)
+            print(_repair_line(shown), file=sys.stderr)
+            sys.stderr.flush()
+        else:
+            _print_check(printable_report(report, out), out)
+            out.flush()
+
     report = verify_root(root_fd, args.root, workers=args.workers, io_depth=args.io_depth, run_filter=args.run,
-                         repair=args.repair, slot_bytes=args.slot_bytes, tmp_grace_s=args.tmp_grace)
+                         repair=args.repair, slot_bytes=args.slot_bytes, tmp_grace_s=args.tmp_grace,
+                         before_repair=report_before_repair)
     if args.json:
         _runs.write_json(report, out)
         print(f"kvtier verify: {report['gib_per_s']:.2f} GiB/s", file=sys.stderr)
     else:
-        _print_text(report, out)
+        shown = printable_report(report, out)
+        if not args.repair:  # with --repair, written before removing
+            _print_check(shown, out)
+        _print_outcome(shown, out)
     return 1 if report["problems_left"] else 0
