@@ -41,9 +41,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from kvtier.arguments import check_block_ids, count, int_ids
-from kvtier.config import EngineConfig
+from kvtier.config import EngineConfig, redact
 from kvtier.context import RequestContext
-from kvtier.errors import ConfigError, EngineClosedError
+from kvtier.errors import ConfigError, EngineClosedError, trim_traceback
 from kvtier.keys import NO_EXTRA_KEYS, BlockHasher, RequestExtraKeys, chunk_keys
 from kvtier.layout import KVGeometry
 from kvtier.manager import PRIMARY_LABEL, TieringManager, load_spec
@@ -70,6 +70,11 @@ logger = logging.getLogger("kvtier.api")
 DEFAULT_WAIT_TIMEOUT_S = 10.0
 #: How long leaving the engine waits for tier jobs in flight (cascades) before abandoning them.
 DEFAULT_FLUSH_TIMEOUT_S = 5.0
+#: ``cpu_bytes_to_use`` is rounded down to whole slots (as vLLM does). The remainder, under one
+#: slot, is logged at INFO: nearly every byte count leaves one, and it is a negligible share of a
+#: real host tier. Above this share of the configured bytes it is a WARNING: the configuration
+#: probably meant a slot more.
+_UNUSED_HOST_SHARE_TO_WARN = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +206,8 @@ class Engine:
         self.chunk_tokens = geometry.block_size * self.blocks_per_chunk
         self.slot_bytes = geometry.slot_bytes(self.blocks_per_chunk)
         self.num_slots = config.num_slots(self.slot_bytes)
+        #: Bytes of the host tier: ``cpu_bytes_to_use`` rounded down to whole slots.
+        self.host_bytes = self.num_slots * self.slot_bytes
         self.wait_timeout_s = wait_timeout_s
         self.flush_timeout_s = float(flush_timeout_s)
         self.kv_events_enabled = kv_events_enabled
@@ -237,6 +244,14 @@ class Engine:
         from kvtier.tiers.cpu import HostTier
 
         cfg = self.config
+        unused = cfg.cpu_bytes_to_use - self.host_bytes
+        if unused:
+            logger.log(
+                logging.WARNING if unused > _UNUSED_HOST_SHARE_TO_WARN * cfg.cpu_bytes_to_use else logging.INFO,
+                "cpu_bytes_to_use = %d is not a whole number of host slots: the host tier holds %d slots "
+                "of %d bytes = %d bytes, %d bytes unused",
+                cfg.cpu_bytes_to_use, self.num_slots, self.slot_bytes, self.host_bytes, unused,
+            )
         self.host = HostTier(
             self.num_slots,
             self.slot_bytes,
@@ -331,7 +346,7 @@ class Engine:
                 continue
             own = tier_cfg.backpressure is not None
             key = f"secondary_tiers[{tier_cfg.index}].backpressure" if own else "backpressure"
-            value = dict((tier_cfg.backpressure if own else self.config.backpressure) or {})
+            value = redact(dict((tier_cfg.backpressure if own else self.config.backpressure) or {}))
             raise ConfigError(
                 f"{key}: {value!r} is configured for tier {tier_cfg.label}, but the manager that spec "
                 f"{self.config.spec_name!r} built has no back-pressure detector for it, so it would never "
@@ -939,14 +954,18 @@ async def open(  # noqa: A001 - the public name is kvtier.open
     joined. From the start of the exit every engine method raises
     :class:`kvtier.EngineClosedError`.
     """
-    engine_config = EngineConfig.coerce(config)
-    engine = Engine(engine_config, geometry, device_kv, tp_rank=tp_rank, hash_algorithm=hash_algorithm,
-                    wait_timeout_s=wait_timeout_s, kv_events_enabled=events is not None,
-                    flush_timeout_s=flush_timeout_s)
+    try:
+        engine = Engine(EngineConfig.coerce(config), geometry, device_kv, tp_rank=tp_rank,
+                        hash_algorithm=hash_algorithm, wait_timeout_s=wait_timeout_s,
+                        kv_events_enabled=events is not None, flush_timeout_s=flush_timeout_s)
+    except ConfigError as exc:
+        raise trim_traceback(exc)  # the message says it all: the traceback ends at this call
+    started = False
     try:
         async with anyio.create_task_group() as tg:
             try:
                 await engine._start(tg, events, metrics)
+                started = True
                 yield engine
             finally:
                 try:
@@ -959,8 +978,12 @@ async def open(  # noqa: A001 - the public name is kvtier.open
     except BaseExceptionGroup as group:
         # The engine's task group wraps whatever crossed it (a ConfigError from a tier's start,
         # or the caller's own exception from the ``async with`` body); give back the single
-        # exception when there is exactly one, as the caller raised or expects it.
-        raise _sole_exception(group) from None
+        # exception when there is exactly one, as the caller raised or expects it. A configuration
+        # error found while starting (an unusable root_dir) ends at this call, like one found above.
+        error = _sole_exception(group)
+        if isinstance(error, ConfigError) and not started:
+            error = trim_traceback(error)
+        raise error from None
 
 
 def _running_on_asyncio() -> bool:
@@ -998,6 +1021,7 @@ class ThreadedEngine:
         self.engine = engine
         self.manager = engine.manager
         self.chunk_tokens = engine.chunk_tokens
+        self.host_bytes = engine.host_bytes
         self._closed = False  # close() was called: every method but statistics refuses
         self._loop_gone = False  # close() returned: the engine's loop thread has stopped
 
@@ -1148,12 +1172,18 @@ def start_in_thread(
     ``kwargs`` are those of :func:`open` (``events``, ``metrics``, ``wait_timeout_s``,
     ``flush_timeout_s``, ...); :meth:`ThreadedEngine.close` flushes as leaving :func:`open` does.
     """
+    try:
+        config = EngineConfig.coerce(config)  # a bad configuration fails before a thread starts
+    except ConfigError as exc:
+        raise trim_traceback(exc)
     portal_cm = anyio.from_thread.start_blocking_portal(backend="asyncio")
     portal = portal_cm.__enter__()
     try:
         engine_cm = portal.wrap_async_context_manager(open(config, geometry, device_kv, **kwargs))
         engine = engine_cm.__enter__()
-    except BaseException:
+    except BaseException as exc:
         portal_cm.__exit__(None, None, None)
+        if isinstance(exc, ConfigError):
+            raise trim_traceback(exc)  # not the portal's and the event loop's frames
         raise
     return ThreadedEngine(portal_cm, portal, engine_cm, engine)

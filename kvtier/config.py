@@ -12,12 +12,15 @@ warning on the ``kvtier.config`` logger and ignored; only a forbidden combinatio
 raises :class:`kvtier.errors.RequestError`.
 
 Secrets (``access_key``, ``secret_key``, ``session_token``) are kept as plain strings for the
-tier that needs them, but no ``repr``/``str``/``to_dict``/error message of this module shows them.
+tier that needs them, but no ``repr``/``str``/``to_dict``/error message or warning of this module
+shows them, whatever container they were written in (:func:`redact`). A :class:`ConfigError`
+from ``from_dict`` has its traceback end there, not in the schema machinery.
 """
 
 from __future__ import annotations
 
 import difflib
+import enum
 import logging
 import math
 import os
@@ -27,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from kvtier.errors import ConfigError, RequestError
+from kvtier.errors import ConfigError, RequestError, trim_traceback
 from kvtier.types import Locality, Medium
 
 __all__ = [
@@ -40,6 +43,7 @@ __all__ = [
     "SECRET_KEYS",
     "BUILTIN_SPECS",
     "BUILTIN_TIER_TYPES",
+    "INTERNAL_TIER_TYPES",
     "redact",
 ]
 
@@ -66,23 +70,120 @@ _MODULE_PATH_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)
 # --------------------------------------------------------------------------------------------
 
 
-def redact(value: Any, _depth: int = 0) -> Any:
-    """A copy of ``value`` with the value of every secret key (at any depth) replaced by ``'***'``.
+# A credential's name however it is written: any case, ``_``/``-``/space separated, ending a
+# longer name (``aws_secret_access_key``) but not inside one (``curve_secret_key_file`` is a path).
+# It covers more than SECRET_KEYS on purpose: a value wrongly hidden only costs a ``***``.
+_SECRET_NAME = (r"(?:secret[_\- ]?(?:access[_\- ]?)?key|access[_\- ]?key|session[_\- ]?token"
+                r"|password|passwd)(?![A-Za-z0-9_])")
+_SECRET_NAME_RE = re.compile(_SECRET_NAME, re.IGNORECASE)
+_SECRET_KEY_RE = re.compile(r"[A-Za-z0-9_\- ]*" + _SECRET_NAME, re.IGNORECASE)
+# What joins a name to its value in text: a closing quote, then ``=``/``:``/``,``, or spaces
+# (``secret_key=x``, ``"secret_key": "x"``, ``('secret_key', 'x')``, ``password x``).
+_SECRET_JOIN_RE = re.compile(r"""['"]?\s*[:=,]\s*|\s+""")
+# A value beside a name that shows nothing: already redacted, or empty.
+_NOTHING_SHOWN_RE = re.compile(r"""(?:'\*\*\*'|"\*\*\*"|\*\*\*|''|""|None)(?![A-Za-z0-9_])""")
+_MAX_REDACT_DEPTH = 8
 
-    Used for everything that leaves this module as text. Mappings become dicts, lists/tuples keep
-    their kind; depth is bounded so a self-referencing structure cannot recurse forever.
+
+def _is_secret_name(key: Any) -> bool:
+    """Whether ``key`` (a mapping key, or an item of a sequence) names a credential."""
+    if isinstance(key, (bytes, bytearray)):
+        key = bytes(key).decode("latin-1")
+    return isinstance(key, str) and _SECRET_KEY_RE.fullmatch(key.strip()) is not None
+
+
+def _secret_value(value: Any) -> Any:
+    """What is shown for the value of a secret key: ``'***'``, unless it is empty (nothing to hide,
+    and ``to_dict`` output with unset credentials stays acceptable to ``from_dict``)."""
+    return value if value is None or (isinstance(value, (str, bytes)) and not value) else _REDACTED
+
+
+def _scrub_text(text: str) -> str:
+    """``text`` cut short after the first credential name written with a value beside it
+    (``"secret_key=x"`` → ``"secret_key=***"``); a bare name, or one already followed by
+    ``***``, is kept."""
+    pos = 0
+    while (name := _SECRET_NAME_RE.search(text, pos)) is not None:
+        join = _SECRET_JOIN_RE.match(text, name.end())
+        pos = name.end()
+        if join is None or join.end() >= len(text):
+            continue
+        shown = _NOTHING_SHOWN_RE.match(text, join.end())
+        if shown is None:
+            return text[: join.end()] + _REDACTED
+        pos = shown.end()
+    return text
+
+
+class _Shown:
+    """Stands for an object of no known shape by its (scrubbed) ``repr``."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def redact(value: Any) -> Any:
+    """A copy of ``value`` in which no credential can be seen, whatever the container shape.
+
+    Used for everything that leaves this module as text. A value that sits *under* a secret name (a
+    mapping key such as ``secret_key``, any case or separator) or *beside* one (the items after it
+    in a list or tuple: ``[("secret_key", x)]``, ``["secret_key", x]``) is replaced by ``'***'``,
+    whole even when it is itself a container; a set holding a secret name keeps only the names; a
+    string (or bytes) is cut after a name written with its value (``"secret_key=x"``); an object of
+    another type whose ``repr`` shows such a pair stands for that ``repr``, scrubbed the same way.
+    Mappings become dicts, lists/tuples keep their kind; depth is bounded so a self-referencing
+    structure cannot recurse forever.
     """
-    if _depth > 8:
+    return _redacted(value, 0, plain=False)
+
+
+def _redacted(value: Any, depth: int, *, plain: bool) -> Any:
+    """:func:`redact`; with ``plain``, also in JSON-like form (tuples as lists, enums as values)."""
+    if depth > _MAX_REDACT_DEPTH:
         return "..."
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, enum.Enum):
+        return value.value if plain else value
+    if isinstance(value, str):
+        return _scrub_text(value)
+    if isinstance(value, (bytes, bytearray)):
+        text = bytes(value).decode("latin-1")
+        scrubbed = _scrub_text(text)
+        return value if scrubbed == text else scrubbed.encode("latin-1")
     if isinstance(value, Mapping):
         return {
-            k: (_REDACTED if k in SECRET_KEYS else redact(v, _depth + 1)) for k, v in value.items()
+            _redacted(k, depth + 1, plain=plain):
+                _secret_value(v) if _is_secret_name(k) else _redacted(v, depth + 1, plain=plain)
+            for k, v in value.items()
         }
-    if isinstance(value, tuple):
-        return tuple(redact(v, _depth + 1) for v in value)
-    if isinstance(value, list):
-        return [redact(v, _depth + 1) for v in value]
-    return value
+    if isinstance(value, (list, tuple)):
+        items: list[Any] = []
+        beside_secret = False
+        for item in value:
+            items.append(_secret_value(item) if beside_secret else _redacted(item, depth + 1, plain=plain))
+            beside_secret = beside_secret or _is_secret_name(item)
+        return items if plain or isinstance(value, list) else tuple(items)
+    if isinstance(value, (set, frozenset)):
+        has_secret_name = any(_is_secret_name(item) for item in value)
+        kept = [item if _is_secret_name(item) else _REDACTED if has_secret_name
+                else _redacted(item, depth + 1, plain=plain) for item in value]
+        if plain:
+            return kept
+        return frozenset(kept) if isinstance(value, frozenset) else set(kept)
+    try:
+        text = repr(value)
+    except Exception:  # a broken __repr__ must not hide the configuration error being reported
+        return _Shown(f"<{type(value).__name__}>")
+    scrubbed = _scrub_text(text)
+    if scrubbed == text:
+        return value
+    return scrubbed if plain else _Shown(scrubbed)
 
 
 _repr = reprlib.Repr()
@@ -96,7 +197,7 @@ def _show(value: Any, *, secret: bool = False) -> str:
     """The value as it may appear in a message: redacted, size-bounded, at most ~80 chars."""
     if secret:
         return repr(_REDACTED)
-    text = _repr.repr(redact(value))
+    text = _scrub_text(_repr.repr(redact(value)))
     if len(text) > _MAX_SHOWN_CHARS:
         text = text[: _MAX_SHOWN_CHARS - 3] + "..."
     return text
@@ -107,7 +208,11 @@ def _join(path: str, key: str) -> str:
 
 
 def _invalid(path: str, value: Any, allowed: str, *, secret: bool = False) -> ConfigError:
-    return ConfigError(f"invalid {path} = {_show(value, secret=secret)}: expected {allowed}")
+    """The error for ``value`` at ``path``; the value is hidden whole when the key is secret or its
+    name looks like a credential (``backpressure.password``)."""
+    key = re.sub(r"\[\d+\]$", "", path.rsplit(".", 1)[-1])
+    shown = _show(value, secret=secret or _is_secret_name(key))
+    return ConfigError(f"invalid {path} = {shown}: expected {allowed}")
 
 
 def _did_you_mean(word: str, candidates: Any, cutoff: float = 0.6) -> str:
@@ -378,19 +483,10 @@ class FrozenOptions(Mapping[str, Any]):
     __str__ = __repr__
 
 
-def _plain(value: Any, *, reveal: bool = False) -> Any:
-    """Plain ``dict``/``list`` form (JSON-like) of a normalised value, secrets redacted unless
-    ``reveal``."""
-    if isinstance(value, Mapping):
-        return {
-            k: (_REDACTED if k in SECRET_KEYS and not reveal and v else _plain(v, reveal=reveal))
-            for k, v in value.items()
-        }
-    if isinstance(value, (list, tuple)):
-        return [_plain(v, reveal=reveal) for v in value]
-    if isinstance(value, Locality):
-        return value.value
-    return value
+def _plain(value: Any) -> Any:
+    """Plain ``dict``/``list`` form (JSON-like) of a normalised value, secrets redacted as
+    :func:`redact` does."""
+    return _redacted(value, 0, plain=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -529,7 +625,8 @@ TIER_SCHEMAS: Mapping[str, Mapping[str, KeySpec]] = {
     "memory": {
         "capacity_bytes": KeySpec("int", gt=0),
     },
-    # A test tier (kvtier.tiers.faulty): a memory tier that fails and stalls on purpose.
+    # A test tier (kvtier.tiers.faulty): a memory tier that fails and stalls on purpose. Internal:
+    # constructible, never offered (INTERNAL_TIER_TYPES).
     "faulty": {
         "capacity_bytes": KeySpec("int", default=1 << 30, gt=0),
         "fail_read_fraction": KeySpec("float", default=0.0, ge=0, le=1),
@@ -563,7 +660,10 @@ TIER_SCHEMAS: Mapping[str, Mapping[str, KeySpec]] = {
         "auth": KeySpec("mapping", default=None, nullable=True, schema=P2P_AUTH_SCHEMA),
     },
 }
-BUILTIN_TIER_TYPES: tuple[str, ...] = tuple(sorted(TIER_SCHEMAS))
+#: Built-in types for kvtier's own tests: constructible, never listed to users.
+INTERNAL_TIER_TYPES: frozenset[str] = frozenset({"faulty"})
+#: The built-in tier types users are offered (in error messages and documentation).
+BUILTIN_TIER_TYPES: tuple[str, ...] = tuple(sorted(set(TIER_SCHEMAS) - INTERNAL_TIER_TYPES))
 
 
 # --------------------------------------------------------------------------------------------
@@ -622,6 +722,13 @@ class TierConfig:
     @classmethod
     def from_dict(cls, raw: Any, index: int, *, path: str | None = None) -> TierConfig:
         """Validate one tier entry (``path`` defaults to ``secondary_tiers[<index>]``)."""
+        try:
+            return cls._from_dict(raw, index, path=path)
+        except ConfigError as exc:
+            raise trim_traceback(exc)  # the message says it all: no frames of the schema machinery
+
+    @classmethod
+    def _from_dict(cls, raw: Any, index: int, *, path: str | None = None) -> TierConfig:
         path = path if path is not None else f"secondary_tiers[{index}]"
         if not isinstance(raw, Mapping):
             raise _invalid(path, raw, "a dict with at least a 'type' key")
@@ -650,7 +757,7 @@ class TierConfig:
         else:
             raise ConfigError(
                 f"invalid {_join(path, 'type')} = {_show(type_name)}: unknown tier type"
-                f"{_did_you_mean(type_name, TIER_SCHEMAS)}; expected one of "
+                f"{_did_you_mean(type_name, BUILTIN_TIER_TYPES)}; expected one of "
                 f"{', '.join(map(repr, BUILTIN_TIER_TYPES))}, or give module_path for an "
                 "out-of-tree tier class"
             )
@@ -696,8 +803,16 @@ class EngineConfig:
         """Validate ``d`` (the ``kv_connector_extra_config`` mapping) into an ``EngineConfig``.
 
         Raises :class:`ConfigError` for the first problem found: its message names the key
-        path, the offending value (secrets as ``'***'``) and what is allowed.
+        path, the offending value (secrets as ``'***'``) and what is allowed; its traceback ends
+        here, not in the schema machinery.
         """
+        try:
+            return cls._from_dict(d)
+        except ConfigError as exc:
+            raise trim_traceback(exc)
+
+    @classmethod
+    def _from_dict(cls, d: Any) -> EngineConfig:
         if not isinstance(d, Mapping):
             raise _invalid("config", d, "a mapping (the kv_connector_extra_config dict)")
         values = _parse_section(d, ENGINE_SCHEMA, "", extra_allowed=("secondary_tiers",))
@@ -732,7 +847,7 @@ class EngineConfig:
                 f"an empty list with spec_name {CPU_SPEC!r}; use spec_name {TIERING_SPEC!r} "
                 "for secondary tiers",
             )
-        tiers = tuple(TierConfig.from_dict(raw, i) for i, raw in enumerate(raw_tiers))
+        tiers = tuple(TierConfig._from_dict(raw, i) for i, raw in enumerate(raw_tiers))
 
         config = cls(secondary_tiers=tiers, **values)
         if config.is_tiering and config.store_threshold >= 2:

@@ -12,6 +12,7 @@ import importlib
 import logging
 from typing import TYPE_CHECKING, ClassVar
 
+from kvtier.config import INTERNAL_TIER_TYPES
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import SecondaryTier, TierContext
 
@@ -47,6 +48,7 @@ class SecondaryTierFactory:
 
     @classmethod
     def registered_types(cls) -> tuple[str, ...]:
+        """Every registered type name, kvtier's internal test tiers included."""
         return tuple(sorted(cls._registry))
 
     @classmethod
@@ -62,10 +64,10 @@ class SecondaryTierFactory:
         elif module_path:
             module_name, class_name = module_path, type_name
         else:
+            offered = [t for t in cls.registered_types() if t not in INTERNAL_TIER_TYPES]
             raise ConfigError(
                 f"invalid {where}.type = {type_name!r}: unknown tier type; expected one of "
-                f"{', '.join(map(repr, cls.registered_types()))}, or give module_path for an "
-                "out-of-tree tier class"
+                f"{', '.join(map(repr, offered))}, or give module_path for an out-of-tree tier class"
             )
         try:
             module = importlib.import_module(module_name)

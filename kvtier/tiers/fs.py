@@ -479,7 +479,21 @@ class FileSystemTier(SecondaryTier):
         ``config.json`` temporaries removed. ``root_dir`` itself may be a link (the operator's
         choice); nothing below it is followed. The block tree's descriptor is kept on the tier
         before this returns, so a start-up cancelled meanwhile still closes it."""
-        os.makedirs(self.root_dir, exist_ok=True)
+        try:
+            # ``root_dir`` itself, never its parents: a mistyped mount point must not become a
+            # cold cache on the root filesystem. An existing one is never created again (on a full
+            # or read-only disk, mkdir may fail before it finds the directory there).
+            if not os.path.isdir(self.root_dir):
+                os.mkdir(self.root_dir)
+        except FileExistsError:
+            pass  # created meanwhile by another process, or not a directory: refused just below
+        except FileNotFoundError:
+            parent = os.path.dirname(os.path.abspath(self.root_dir))
+            raise ConfigError(
+                f"secondary_tiers[{self.config.index}].root_dir: cannot use {self.root_dir!r}: its parent "
+                f"directory {parent!r} does not exist; create it first (or fix the path): kvtier creates "
+                "root_dir itself, never its parents"
+            ) from None
         root_fd = os.open(self.root_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
         try:
             _, stale = ensure_config_json(root_fd, self.namespace, tmp_grace_s=self.stale_tmp_grace_s)
