@@ -23,11 +23,18 @@ HTTP/1.1 with JSON bodies, one request per connection (``Connection: close``)::
 Inputs are bounded: headers ≤ 16 KiB (431), bodies ≤ 1 MiB (413), prompts ≤ ``--max-tokens``
 tokens with ids in [0, 2**31) (400); bad JSON is a 400 naming the problem; a full block pool or
 too many connections is a 503. The server runs on anyio streams, so it serves on asyncio (the
-default) or trio (``--backend trio``)::
+default) or trio (``--backend trio``).
 
-    python examples/embed_async_server.py --port 8080            # until SIGINT (Ctrl-C) or SIGTERM
-    python examples/embed_async_server.py --self-test            # ephemeral port, checks, exit 0
-    python examples/embed_async_server.py --self-test --backend trio
+Run plainly, it is a demo that ends by itself (in about a second): it serves on a free loopback
+port, sends itself a few requests (a cold prompt, the same again, a shared prefix, concurrent
+ones, malformed ones), prints each answer, checks every KV byte against a full recomputation and
+exits (status 0 when every check passed, 1 otherwise). ``--serve`` keeps it up for your own
+requests::
+
+    python examples/embed_async_server.py                        # demo requests, checks, exit
+    python examples/embed_async_server.py --backend trio
+    python examples/embed_async_server.py --serve --port 8080    # until SIGINT (Ctrl-C) or SIGTERM
+    curl -s localhost:8080/prefill -d '{"tokens": [1, 2, 3]}'
 """
 
 from __future__ import annotations
@@ -379,7 +386,7 @@ def engine_config(host_slots: int) -> dict[str, Any]:
     return {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": host_slots * GEOMETRY.slot_bytes(1)}
 
 
-# --- self-test ------------------------------------------------------------------------------------------
+# --- the demo ------------------------------------------------------------------------------------------
 def http_call(port: int, method: str, path: str, body: bytes | None = None,
               headers: Mapping[str, str] | None = None) -> tuple[int, dict[str, Any]]:
     """A plain ``http.client`` request (blocking: run it in a worker thread)."""
@@ -398,16 +405,17 @@ def http_call(port: int, method: str, path: str, body: bytes | None = None,
         conn.close()
 
 
-class SelfTestFailed(Exception):
+class DemoCheckFailed(Exception):
     pass
 
 
 def check(condition: bool, what: str) -> None:
     if not condition:
-        raise SelfTestFailed(what)
+        raise DemoCheckFailed(what)
 
 
-async def self_test(server: PrefillServer, port: int) -> None:
+async def demo(server: PrefillServer, port: int) -> None:
+    """Send the demo requests to the server on ``port``, print the answers, check each one."""
     model = server.model
 
     async def prefill(tokens: list[int], label: str) -> dict[str, Any]:
@@ -476,31 +484,36 @@ async def run(args: argparse.Namespace) -> int:
             server = PrefillServer(engine, pool, ToyModel(GEOMETRY), args.max_tokens)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(stop_on_signal, signals, tg.cancel_scope)
-                port = await tg.start(server.serve, args.host, 0 if args.self_test else args.port)
+                port = await tg.start(server.serve, args.host, args.port if args.serve else 0)
                 print(f"listening on http://{args.host}:{port} ({args.backend})", flush=True)
-                # Without --self-test the task group waits on serve() until SIGINT or SIGTERM.
-                if args.self_test:
+                # With --serve the task group waits on serve() until SIGINT or SIGTERM.
+                if not args.serve:
                     try:
-                        await self_test(server, port)
-                    except SelfTestFailed as exc:
-                        print(f"self-test FAILED: {exc}")
+                        await demo(server, port)
+                    except DemoCheckFailed as exc:
+                        print(f"demo FAILED: {exc}")
                         passed = False
                     tg.cancel_scope.cancel()  # stop serving; leaving kvtier.open closes the engine
-    if args.self_test and passed:
-        print("self-test passed")
+    if not args.serve and passed:
+        print("demo passed: every answer checked; --serve keeps the server up for your own requests")
     return 0 if passed else 1
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--serve", action="store_true",
+                        help="serve until SIGINT or SIGTERM (default: answer the demo requests, then exit)")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8080, help="0 picks a free port")
+    parser.add_argument("--port", type=int, help="with --serve: the port, 0 picks a free one (default 8080)")
     parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
     parser.add_argument("--device-blocks", type=int, default=512)
     parser.add_argument("--host-slots", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=2048)
-    parser.add_argument("--self-test", action="store_true", help="serve on a free port, run checks, exit")
     args = parser.parse_args()
+    if args.port is not None and not args.serve:
+        parser.error("--port applies only with --serve (the demo picks a free port)")
+    if args.port is None:
+        args.port = 8080
     if args.max_tokens < 1 or -(-args.max_tokens // GEOMETRY.block_size) > args.device_blocks:
         parser.error("--max-tokens must be >= 1 and fit in --device-blocks")
     try:

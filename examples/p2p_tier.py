@@ -10,7 +10,9 @@ stored, byte for byte.
 
 ::
 
-    python examples/p2p_tier.py            # needs kvtier[p2p] (ucxx)
+    python examples/p2p_tier.py            # needs the p2p extra: pip install 'kvtier[p2p]' (ucxx)
+
+Without an importable ucxx it prints one line naming the extra and exits with status 2.
 
 The control messages (handshake, fetch, transfer-done) go over ZeroMQ; without an ``auth`` entry
 the peers are unauthenticated (kvtier logs a warning once) — see README "Peer-to-peer tier".
@@ -81,7 +83,18 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def require_ucxx() -> None:
+    """Exit with one line naming the extra when ucxx cannot be imported (missing, or its libucx)."""
+    try:
+        import ucxx  # type: ignore[import-untyped]  # noqa: F401
+    except ImportError as exc:
+        print(f"p2p_tier.py: the p2p tier needs ucxx, which is not importable here ({exc}); "
+              "pip install 'kvtier[p2p]'", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def main() -> None:
+    require_ucxx()
     if len(sys.argv) == 3 and sys.argv[1] == "--prefill":
         anyio.run(prefill, int(sys.argv[2]), backend="asyncio")  # the p2p tier needs asyncio
         return

@@ -452,3 +452,160 @@ def test_layerwise_flag_reports_ttft_with_and_without(tmp_path: Path, capsys: py
         assert values["ratio"] == pytest.approx(values["with"] / values["without"])
     out = capsys.readouterr().out
     assert "cpu/layerwise" in out and "layer-wise loading, TTFT without -> with" in out
+
+
+# --- command line: list options, --config files, the fs tier's directories, the summary ----------
+@pytest.mark.parametrize(("option", "value"), [
+    ("--conversations", "2,,4"), ("--conversations", "2,4,"), ("--conversations", ",2"),
+    ("--conversations", ""), ("--conversations", "0"), ("--conversations", "2,-1"),
+    ("--conversations", "2,4,2"), ("--conversations", "two"),
+    ("--strategies", "recompute,,cpu"), ("--strategies", "cpu,"), ("--strategies", ""),
+    ("--strategies", "cpu,cpu"), ("--strategies", "cpu, cpu"), ("--rounds", "-1"),
+])
+def test_options_refuse_empty_zero_negative_and_repeated_items(
+    option: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # --device nonsense: should the list be accepted, the bench stops before running anything.
+    assert run_bench_cli([option, value, "--device", "nonsense", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and option in err and "--device" not in err, err
+
+
+def test_list_options_accept_spaces_and_any_order(tmp_path: Path) -> None:
+    doc = _tiny_bench(tmp_path, "--conversations", " 2, 1")
+    assert doc["workload"]["conversations"] == [1, 2]
+
+
+def _config_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert run_bench_cli([*argv, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "Errno" not in err and "Traceback" not in err, err
+    return err
+
+
+def test_config_file_errors_name_the_option_and_the_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    missing = tmp_path / "missing.json"
+    err = _config_error(["--config", str(missing)], capsys)
+    assert "--config" in err and str(missing) in err and "no such file" in err.lower()
+    err = _config_error(["--config", str(tmp_path)], capsys)
+    assert "--config" in err and str(tmp_path) in err and "directory" in err
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)  # opening it for reading would wait for a writer forever
+    err = _config_error(["--config", str(fifo)], capsys)
+    assert "--config" in err and str(fifo) in err and "not a regular file" in err
+    typo = tmp_path / "typo.json"
+    typo.write_text(json.dumps({"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_uze": 1}))
+    err = _config_error(["--config", str(typo)], capsys)
+    assert "--config" in err and str(typo) in err and "cpu_bytes_to_uze" in err
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b"\xff\xfe{}")
+    err = _config_error(["--config", str(binary)], capsys)
+    assert "--config" in err and str(binary) in err
+    unreadable = tmp_path / "unreadable.json"
+    unreadable.write_text("{}")
+    real_open = os.open
+
+    def refusing_open(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if str(path) == str(unreadable):  # tests may run as root, whom chmod does not stop
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    err = _config_error(["--config", str(unreadable)], capsys)
+    assert "--config" in err and str(unreadable) in err and "permission denied" in err.lower()
+
+
+def _fs_bench(tmp_path: Path, root: Path, *extra: str) -> tuple[dict, str]:
+    out = tmp_path / "fs.json"
+    argv = ["--quick", "--system-tokens", "32", "--prompt-tokens", "64", "--turn-tokens", "32",
+            "--rounds", "1", "--strategies", "cpu,cpu+fs", "--conversations", "1,2",
+            "--device-conversations", "1", "--host-conversations", "1", "--fs-root", str(root),
+            "--output", str(out), "--no-progress", *extra]
+    import contextlib
+    import io
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert run_bench_cli(argv) == 0
+    return json.loads(out.read_text()), printed.getvalue()
+
+
+def _users_files(root: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+def test_fs_root_loses_nothing_the_bench_did_not_create(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "kvtier-bench-mine").mkdir(parents=True)  # looks like the bench's, is the user's
+    (root / "kvtier-bench-mine" / "notes.txt").write_text("keep me")
+    (root / "data.bin").write_bytes(b"\x00" * 10)
+    before = _users_files(root)
+    doc, _ = _fs_bench(tmp_path, root)
+    assert _users_files(root) == before  # the bench's directories are gone, the user's are intact
+    assert all(not row["fs_dirs"] for row in doc["results"])
+
+
+def test_keep_fs_dirs_leaves_each_run_tree_for_kvtier_inspect(tmp_path: Path) -> None:
+    import contextlib
+    import io
+
+    from kvtier.ops.inspect import run_inspect_cli
+
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "data.bin").write_bytes(b"x")
+    doc, printed = _fs_bench(tmp_path, root, "--keep-fs-dirs")
+    rows = {(r["strategy"], r["conversations"]): r for r in doc["results"]}
+    assert rows[("cpu", 1)]["fs_dirs"] == [] and rows[("cpu", 2)]["fs_dirs"] == []
+    kept = [Path(d) for n in (1, 2) for d in rows[("cpu+fs", n)]["fs_dirs"]]
+    assert len(kept) == 2 and len(set(kept)) == 2
+    assert sorted(p.name for p in root.iterdir()) == sorted(["data.bin", *(p.name for p in kept)])
+    assert "kvtier inspect" in printed
+    for path in kept:
+        assert path.parent == root and str(path) in printed  # kept, and named in the output ...
+        report = io.StringIO()
+        with contextlib.redirect_stdout(report):
+            assert run_inspect_cli(["--json", str(path)]) == 0  # ... and what the run wrote is there
+        assert json.loads(report.getvalue())["totals"]["chunk_files"] > 0
+
+
+def _row(strategy: str, conversations: int, service_times: list[float], tokens: int = 1000) -> RunResult:
+    busy = sum(service_times)
+    row = _run(strategy, conversations, tokens / busy, sorted(service_times)[len(service_times) // 2])
+    row.service_times_s = list(service_times)
+    row.runs = [{"service_times_s": list(service_times)}]
+    return row
+
+
+def test_summary_with_one_strategy_compares_nothing() -> None:
+    from kvtier.bench.cli import summarize
+
+    summary = summarize([_row("cpu", 1, [0.1] * 5), _row("cpu", 8, [0.2] * 5)], (1, 8))
+    assert not any("strateg" in line for line in summary["lines"]), summary["lines"]
+    assert "spread_at_smallest" not in summary
+
+
+def test_summary_claims_agreement_only_when_it_holds() -> None:
+    from kvtier.bench.cli import summarize
+
+    alike = [_row("recompute", 1, [0.10, 0.05, 0.05, 0.05, 0.05]),
+             _row("cpu", 1, [0.104, 0.052, 0.05, 0.05, 0.05])]
+    [line] = [line for line in summarize(alike, (1,))["lines"] if " strategies " in line]
+    assert line == "at 1 conversations: strategies within 2% of each other"
+    # One request of cpu took 0.4 s longer (a noisy neighbour): tok/s differ by ~130 %, yet request
+    # by request the strategies are alike; the line must not present 130 % as the strategies' spread.
+    noisy = [alike[0], _row("cpu", 1, [0.50, 0.05, 0.05, 0.05, 0.05])]
+    summary = summarize(noisy, (1,))
+    [line] = [line for line in summary["lines"] if " strategies " in line]
+    assert "within 0% of each other request by request" in line and "--repeats" in line, line
+    assert summary["spread_at_smallest"] == pytest.approx(0.70 / 0.30 - 1)
+    assert summary["paired_spread_at_smallest"] == pytest.approx(0.0)
+    # Really different strategies: no agreement is claimed.
+    slow = [alike[0], _row("cpu", 1, [0.20, 0.10, 0.10, 0.10, 0.10])]
+    [line] = [line for line in summarize(slow, (1,))["lines"] if " strategies " in line]
+    assert "within" not in line and "differ by up to 100%" in line and "recompute" in line, line

@@ -61,17 +61,18 @@ EXPECTED: dict[str, list[tuple[tuple[str, ...], tuple[str, ...]]]] = {
         "bytes identical: True",
         "custom_tier: promotions from the out-of-tree tier were byte-identical",
     ))],
+    # Run plainly, as the README lists it, the server answers its demo requests and exits.
     "embed_async_server.py": [
-        (("--self-test", "--backend", backend), (
+        (args, (
             f"({backend})",
             "cold prompt: 199 tokens -> cached 0, computed 199",
             "same prompt again: 199 tokens -> cached 192, computed 7",
             "shared prefix: 210 tokens -> cached 160, computed 50",
             "kv correct: True",
             "1 MiB + 1 body: 413",
-            "self-test passed",
+            "demo passed",
         ))
-        for backend in ("asyncio", "trio")
+        for args, backend in (((), "asyncio"), (("--backend", "trio"), "trio"))
     ],
     "fs_tier.py": [((), (
         "writer: offloaded 192 tokens (12 chunks)",
@@ -128,7 +129,7 @@ def test_example_runs_and_prints_its_results(name: str, args: tuple[str, ...], l
 @pytest.mark.parametrize(("signum", "backend"), [(signal.SIGINT, "asyncio"), (signal.SIGTERM, "trio")])
 def test_server_serves_http_until_interrupted(tmp_path: Path, signum: signal.Signals, backend: str) -> None:
     process = subprocess.Popen(
-        [sys.executable, str(EXAMPLES / "embed_async_server.py"), "--port", "0", "--backend", backend],
+        [sys.executable, str(EXAMPLES / "embed_async_server.py"), "--serve", "--port", "0", "--backend", backend],
         cwd=tmp_path, env=example_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
@@ -156,6 +157,26 @@ def test_server_serves_http_until_interrupted(tmp_path: Path, signum: signal.Sig
         if process.poll() is None:
             process.kill()
             process.communicate()
+
+
+def test_server_port_without_serve_is_a_usage_error(tmp_path: Path) -> None:
+    result = run_example("embed_async_server.py", ("--port", "8080"), tmp_path)
+    assert result.returncode == 2 and "--serve" in result.stderr, result.stderr
+
+
+def test_p2p_example_without_ucxx_says_which_extra_to_install(tmp_path: Path) -> None:
+    # A ucxx that fails to import, as on a machine without the p2p extra (or without libucx).
+    blocked = tmp_path / "blocked" / "ucxx"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text('raise ImportError("No module named \'ucxx\'")\n')
+    env = example_env()
+    env["PYTHONPATH"] = os.pathsep.join((str(blocked.parent), env["PYTHONPATH"]))
+    result = subprocess.run([sys.executable, str(EXAMPLES / "p2p_tier.py")], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=TIMEOUT_S, check=False)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output
+    assert "Traceback" not in output and len(output.strip().splitlines()) == 1, output
+    assert "pip install 'kvtier[p2p]'" in output and "ucxx" in output, output
 
 
 # --- custom_policy.FIFOPolicy ------------------------------------------------------------------------

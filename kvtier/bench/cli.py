@@ -3,7 +3,12 @@
 ``run_bench_cli(argv)`` parses the arguments, runs every (strategy, conversations) pair of the
 sweep, prints a header and a table, writes the JSON results and the PNG chart, and returns the
 exit status: 0 on success, 1 when a request's logits differ from a full recompute (offloaded KV
-was wrong) or a run failed, 2 on bad arguments.
+was wrong) or a run failed, 2 on bad arguments (one line on stderr naming the option).
+
+Comma-separated lists (``--conversations``, ``--strategies``) refuse empty items and an item
+given twice. The fs tier's per-run directories are created (``kvtier-bench-*``) under
+``--fs-root`` or the system's temporary directory and removed after their run, unless
+``--keep-fs-dirs``; nothing else there is ever removed.
 """
 
 from __future__ import annotations
@@ -14,13 +19,15 @@ import json
 import logging
 import math
 import os
+import stat
+import statistics
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-__all__ = ["run_bench_cli", "build_parser", "QUICK", "FULL"]
+__all__ = ["run_bench_cli", "build_parser", "summarize", "QUICK", "FULL", "AGREEMENT"]
 
 #: Workload and sweep of ``--quick`` (CI: well under a minute on 2 cores) ...
 QUICK: dict[str, Any] = {
@@ -35,18 +42,36 @@ FULL: dict[str, Any] = {
 #: Default tier sizes, in conversations' working sets: the sweeps straddle both.
 DEVICE_CONVERSATIONS = 3.0
 HOST_CONVERSATIONS = 6.0
+#: Strategies whose throughputs at the smallest sweep point are within this fraction of each
+#: other are said to run alike (the summary line after the table).
+AGREEMENT = 0.10
 _MAX_CONVERSATIONS = 10_000
 _MAX_CONFIG_BYTES = 1 << 20
 
 
-def _positive_int_list(text: str) -> tuple[int, ...]:
+def _comma_list(text: str) -> list[str]:
+    """The items of a comma-separated list: none empty, none given twice (a typo, not a wish)."""
+    items = [item.strip() for item in text.split(",")]
+    if any(not item for item in items):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list without empty items, got {text!r}")
+    repeated = sorted({item for item in items if items.count(item) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(f"{', '.join(repeated)} given more than once in {text!r}")
+    return items
+
+
+def _conversation_counts(text: str) -> tuple[int, ...]:
+    """``--conversations``: distinct counts in 1..10000, run in increasing order."""
+    items = _comma_list(text)
     try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
+        values = [int(item) for item in items]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(not 0 < v <= _MAX_CONVERSATIONS for v in values):
+    if any(not 0 < v <= _MAX_CONVERSATIONS for v in values):
         raise argparse.ArgumentTypeError(f"each count must be in 1..{_MAX_CONVERSATIONS}, got {text!r}")
-    return tuple(sorted(set(values)))
+    if len(set(values)) < len(values):  # "2,02"
+        raise argparse.ArgumentTypeError(f"a count is given more than once in {text!r}")
+    return tuple(sorted(values))
 
 
 def _positive_float(text: str) -> float:
@@ -69,6 +94,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvtier.cli import CliParser, exit_codes_epilog  # the command line's shared conventions
 
@@ -84,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true",
                    help="small sweep for CI (2, 4, 8 conversations; about 100 s on a busy 2-core VM)")
-    p.add_argument("--strategies", default="recompute,cpu,cpu+fs",
+    p.add_argument("--strategies", type=_comma_list, default="recompute,cpu,cpu+fs",
                    help="comma-separated built-in strategies: recompute, cpu, cpu+fs (default: all)")
     p.add_argument("--config", action="append", default=[], metavar="FILE.json",
                    help="extra strategy: a kv_connector_extra_config JSON file (named after the file); "
@@ -93,8 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run every kvtier strategy with layer-wise loading (engine.load_layerwise: "
                    "layer i computes while layer i+1 loads), as '<strategy>/layerwise', and report the "
                    "TTFT with and without it")
-    p.add_argument("--conversations", type=_positive_int_list, help="sweep, e.g. 2,4,8")
-    p.add_argument("--rounds", type=int, help="turns after the first prompt")
+    p.add_argument("--conversations", type=_conversation_counts,
+                   help="sweep, e.g. 2,4,8 (distinct counts; default 1,2,4,8,12, with --quick 2,4,8)")
+    p.add_argument("--rounds", type=_non_negative_int, help="turns after the first prompt")
     p.add_argument("--system-tokens", type=_positive_int)
     p.add_argument("--prompt-tokens", type=_positive_int, help="first prompt of each conversation")
     p.add_argument("--turn-tokens", type=_positive_int, help="tokens appended per round")
@@ -102,7 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="device KV pool size, in conversations' working sets (default %(default)s)")
     p.add_argument("--host-conversations", type=_positive_float, default=HOST_CONVERSATIONS,
                    help="host tier size, in conversations' working sets (default %(default)s)")
-    p.add_argument("--fs-root", help="parent of the fs tier's per-run directories (default: system temp)")
+    p.add_argument("--fs-root", help="existing directory in which the fs tier's per-run directories "
+                   "(kvtier-bench-*) are created; only those are ever removed (default: system temp)")
+    p.add_argument("--keep-fs-dirs", action="store_true",
+                   help="keep the fs tier's per-run directories after the bench and print where they are "
+                   "(for 'kvtier inspect DIR'); by default each is removed after its run")
     p.add_argument("--output", default="bench-results.json", help="JSON results (default %(default)s)")
     p.add_argument("--chart", help="PNG chart (default: next to --output, same name .png)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default %(default)s)")
@@ -128,9 +168,11 @@ def run_bench_cli(argv: Sequence[str], stdout: TextIO | None = None) -> int:
         return int(exc.code or 0)
     try:
         plan, describe = _make_plan(args)
-    except (ValueError, OSError) as exc:
-        print(f"kvtier bench: error: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:
+        try:
+            parser.error(str(exc))  # one line, as argparse's own usage errors
+        except SystemExit as usage:
+            return int(usage.code or 2)
     return _run(args, plan, describe, out)
 
 
@@ -153,9 +195,9 @@ def _make_plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     )
     builtins = builtin_strategies()
     strategies: list[Strategy] = []
-    for name in (s.strip() for s in args.strategies.split(",") if s.strip()):
+    for name in args.strategies:
         if name not in builtins:
-            raise ValueError(f"unknown strategy {name!r}; built-in: {', '.join(builtins)}")
+            raise ValueError(f"--strategies: unknown strategy {name!r}; built-in: {', '.join(builtins)}")
         strategies.append(builtins[name])
     for path in args.config:
         strategies.append(_load_config_strategy(path, {s.name for s in strategies}))
@@ -168,6 +210,7 @@ def _make_plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         strategies += layerwise
     if args.fs_root is not None and not os.path.isdir(args.fs_root):
         raise ValueError(f"--fs-root {args.fs_root!r} is not a directory")
+    fs_root = os.path.abspath(args.fs_root) if args.fs_root is not None else None  # printed, when kept
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -185,9 +228,10 @@ def _make_plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         device_blocks=device_blocks,
         host_bytes=host_bytes,
         check=args.check or preset["check"],
-        fs_root=args.fs_root,
+        fs_root=fs_root,
         device=device,
         repeats=args.repeats,
+        keep_fs_dirs=args.keep_fs_dirs,
     )
     describe = {
         "workload": (
@@ -200,7 +244,8 @@ def _make_plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         "device_conversations": args.device_conversations,
         "host_bytes": host_bytes,
         "host_conversations": args.host_conversations,
-        "fs_root": args.fs_root or "fresh temporary directory per run",
+        "fs_root": (f"a fresh directory per run under {fs_root or 'the system temp directory'}, "
+                    + ("kept after the bench" if args.keep_fs_dirs else "removed after its run")),
         "check": {
             "all": "every request compared with a full recompute",
             "sample": "requests of conversations 0 and 1 of every run compared with a full recompute",
@@ -215,21 +260,57 @@ def _load_config_strategy(path: str, taken: set[str]) -> Any:
     from kvtier.bench.runner import Strategy
     from kvtier.config import EngineConfig
 
-    file = Path(path)
-    if file.stat().st_size > _MAX_CONFIG_BYTES:
-        raise ValueError(f"--config {path}: larger than {_MAX_CONFIG_BYTES} bytes")
+    text = _read_config_file(path)
     try:
-        config = json.loads(file.read_text(encoding="utf-8"))
+        config = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"--config {path}: not valid JSON ({exc})") from None
+        raise ValueError(f"--config {path!r}: not valid JSON ({exc})") from None
     if not isinstance(config, dict):
-        raise ValueError(f"--config {path}: expected a JSON object (kv_connector_extra_config)")
+        raise ValueError(f"--config {path!r}: expected a JSON object (kv_connector_extra_config)")
     # Validate now (with a placeholder host size) so a typo fails before any run starts.
-    EngineConfig.from_dict({"cpu_bytes_to_use": 1 << 30, **config})
-    name = file.stem
+    try:
+        EngineConfig.from_dict({"cpu_bytes_to_use": 1 << 30, **config})
+    except ValueError as exc:
+        raise ValueError(f"--config {path!r}: {exc}") from None
+    name = Path(path).stem
     while name in taken:
         name += "'"
     return Strategy(name, config)
+
+
+def _read_config_file(path: str) -> str:
+    """The text of a ``--config`` file; ``ValueError`` naming the option and the path otherwise.
+
+    Opened without waiting (a FIFO would block the open until a writer came) and refused unless
+    it is a regular file of at most 1 MiB of UTF-8.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise ValueError(f"--config {path!r}: cannot open it ({_reason(exc)})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise ValueError(f"--config {path!r}: is a directory, not a JSON file")
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"--config {path!r}: not a regular file")
+        with os.fdopen(os.dup(fd), "rb") as file:
+            data = file.read(_MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"--config {path!r}: cannot read it ({_reason(exc)})") from None
+    finally:
+        os.close(fd)
+    if len(data) > _MAX_CONFIG_BYTES:
+        raise ValueError(f"--config {path!r}: larger than {_MAX_CONFIG_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--config {path!r}: not UTF-8 text (byte {exc.start})") from None
+
+
+def _reason(exc: OSError) -> str:
+    """An ``OSError`` as a reader wants it: "No such file or directory", not "[Errno 2] ..."."""
+    return (exc.strerror or type(exc).__name__).lower()
 
 
 def _run(args: argparse.Namespace, plan: Any, describe: dict[str, Any], out: TextIO) -> int:
@@ -239,8 +320,15 @@ def _run(args: argparse.Namespace, plan: Any, describe: dict[str, Any], out: Tex
     import kvtier
     from kvtier.bench.model import TinyDecoder
     from kvtier.bench.report import (
-        Progress, describe_machine, describe_model, format_table, header_lines, layerwise_comparison,
-        layerwise_lines, write_chart, write_json,
+        Progress,
+        describe_machine,
+        describe_model,
+        format_table,
+        header_lines,
+        layerwise_comparison,
+        layerwise_lines,
+        write_chart,
+        write_json,
     )
     from kvtier.bench.runner import LogitsMismatch, capacity_markers, capacity_tokens, run_plan
 
@@ -286,12 +374,20 @@ def _run(args: argparse.Namespace, plan: Any, describe: dict[str, Any], out: Tex
     max_error = max((r.max_logit_error for r in results), default=0.0)
     print(f"logits check: {checked} of {requests} requests match a full recompute "
           f"(max |error| {max_error:.2g}); total {total_s:.1f}s", file=out)
-    summary = _summary(results, plan.conversations)
+    summary = summarize(results, plan.conversations)
     if args.layerwise:
         summary["layerwise"] = layerwise_comparison(results)
         summary["lines"] += layerwise_lines(summary["layerwise"])
     for line in summary["lines"]:
         print(line, file=out)
+    if args.keep_fs_dirs:
+        kept = [path for r in results for path in r.fs_dirs]
+        if kept:
+            print("fs tier directories kept (--keep-fs-dirs); look inside with 'kvtier inspect DIR':", file=out)
+            for path in kept:
+                print(f"  {path}", file=out)
+        else:
+            print("--keep-fs-dirs: no strategy had an fs tier in a fresh directory; nothing kept", file=out)
     device_tokens, host_tokens = capacity_tokens(plan.model, plan.device_blocks, plan.host_bytes)
     markers = capacity_markers(workload, plan.conversations, device_tokens, host_tokens)
     document = {
@@ -328,20 +424,47 @@ def _run(args: argparse.Namespace, plan: Any, describe: dict[str, Any], out: Tex
     return 0
 
 
-def _summary(results: Sequence[Any], sweep: Sequence[int]) -> dict[str, Any]:
-    """The seed's shape in numbers: spread at the smallest N, speed-ups at the largest."""
-    def at(n: int) -> dict[str, float]:
-        return {r.strategy: r.throughput_tokens_per_s for r in results if r.conversations == n}
+def summarize(results: Sequence[Any], sweep: Sequence[int]) -> dict[str, Any]:
+    """The seed's shape in numbers: how alike the strategies run at the smallest N (where the
+    device holds everything, so offloading should cost nothing), speed-ups at the largest.
+
+    Printed ``lines``, and the numbers behind them: ``spread_at_smallest`` (the rows' tok/s,
+    fastest over slowest, minus 1), ``paired_spread_at_smallest`` (the largest median, over the
+    requests of every run, of one strategy's service time over another's for the same request:
+    the strategies of a run serve each request back to back) and
+    ``speedup_vs_recompute_at_largest``. A run at a small N has few requests, so one request
+    slowed by the machine's other work moves its whole tok/s; the paired median is not moved by
+    it. Agreement is claimed only when one of the two spreads is within :data:`AGREEMENT`, and
+    says which; with one strategy nothing is compared.
+    """
+    def at(n: int) -> dict[str, Any]:
+        return {r.strategy: r for r in results if r.conversations == n}
 
     small, large = at(min(sweep)), at(max(sweep))
     summary: dict[str, Any] = {"lines": []}
-    if small and min(small.values()) > 0:
-        spread = max(small.values()) / min(small.values()) - 1
+    throughputs = {name: r.throughput_tokens_per_s for name, r in small.items()}
+    if len(small) > 1 and min(throughputs.values()) > 0:
+        fastest = max(throughputs, key=throughputs.__getitem__)
+        slowest = min(throughputs, key=throughputs.__getitem__)
+        spread = throughputs[fastest] / throughputs[slowest] - 1
+        paired, pairs = _paired_spread(list(small.values()))
         summary["spread_at_smallest"] = spread
-        summary["lines"].append(f"at {min(sweep)} conversations: strategies within {spread:.0%} of each other")
+        summary["paired_spread_at_smallest"] = paired
+        head = f"at {min(sweep)} conversations: strategies"
+        if spread <= AGREEMENT:
+            line = f"{head} within {spread:.0%} of each other"
+        elif paired is not None and paired <= AGREEMENT:
+            repeats = max(r.repeats for r in small.values())
+            line = (f"{head} within {paired:.0%} of each other request by request (median of {pairs} "
+                    f"paired requests); tok/s differ by up to {spread:.0%}, moved by a few slow requests"
+                    + (" (--repeats 3 reports medians)" if repeats == 1 else ""))
+        else:
+            line = f"{head} differ by up to {spread:.0%} in tok/s ({fastest} fastest, {slowest} slowest)"
+        summary["lines"].append(line)
     base = large.get("recompute")
-    if base:
-        speedups = {name: tps / base for name, tps in large.items() if name != "recompute"}
+    if base is not None and base.throughput_tokens_per_s > 0:
+        speedups = {name: r.throughput_tokens_per_s / base.throughput_tokens_per_s
+                    for name, r in large.items() if name != "recompute"}
         summary["speedup_vs_recompute_at_largest"] = speedups
         if speedups:
             summary["lines"].append(
@@ -349,3 +472,24 @@ def _summary(results: Sequence[Any], sweep: Sequence[int]) -> dict[str, Any]:
                 + ", ".join(f"{name} {x:.2f}x" for name, x in speedups.items())
             )
     return summary
+
+
+def _paired_spread(rows: Sequence[Any]) -> tuple[float | None, int]:
+    """``(largest paired median ratio - 1, requests per pair)`` over every two of ``rows`` (the
+    strategies of one sweep point); ``(None, 0)`` without per-request times to pair."""
+    def times(row: Any) -> list[list[float]]:
+        return [run["service_times_s"] for run in row.runs] if row.runs else [row.service_times_s]
+
+    worst: float | None = None
+    pairs = 0
+    for a in rows:
+        for b in rows:
+            if a is b:
+                continue
+            ratios = [x / y for run_a, run_b in zip(times(a), times(b)) if len(run_a) == len(run_b)
+                      for x, y in zip(run_a, run_b) if x > 0 and y > 0]
+            if not ratios:
+                return None, 0
+            pairs = len(ratios)
+            worst = max(worst or 0.0, statistics.median(ratios) - 1)
+    return worst, pairs

@@ -2,8 +2,10 @@
 
 One *run* is one (strategy, conversations) pair, started cold: a fresh device pool, a fresh
 kvtier engine and a fresh directory for any filesystem tier (conversation ``c`` has the same
-tokens at every ``N``, so a warm disk would leak hits between runs). Requests are served one at
-a time, like a single prefill worker:
+tokens at every ``N``, so a warm disk would leak hits between runs). That directory is created
+by the run (``kvtier-bench-<strategy>-<N>conv-*``, under ``BenchPlan.fs_root`` or the system's
+temporary directory) and removed after it unless ``BenchPlan.keep_fs_dirs``; the run removes
+nothing it did not create. Requests are served one at a time, like a single prefill worker:
 
 1. ``DeviceBlockPool.acquire`` pins the device prefix-cache hit and allocates the other blocks;
 2. ``engine.load_with_sources`` fills the following whole chunks from kvtier's tiers (never the
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import shutil
 import statistics
 import tempfile
@@ -71,6 +74,9 @@ RECOMPUTE_LABEL = "recompute"
 FRESH_DIR = "<fresh temporary directory>"
 #: Name suffix of a strategy's layer-wise variant (``Strategy.with_layerwise``).
 LAYERWISE_SUFFIX = "/layerwise"
+
+# What may appear of a strategy's name (a --config file's stem, "/layerwise") in a directory name.
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9_.+-]")
 
 # float32 logits of a paged prefill and a dense one differ only by summation order.
 _ATOL = 1e-3
@@ -138,6 +144,7 @@ class BenchPlan:
     fs_root: str | None = None
     device: str = "cpu"
     repeats: int = 1  # cold runs of every (strategy, conversations) point; rows report the median
+    keep_fs_dirs: bool = False  # leave each run's fs tier directory (RunResult.fs_dirs) in place
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -243,6 +250,12 @@ class RunResult:
     repeats: int = 1
     spread: dict[str, dict[str, Any]] = field(default_factory=dict)
     runs: list[dict[str, Any]] = field(default_factory=list)
+    #: Each request's service time (steps 1-4), in the order served: the same requests in the
+    #: same order for every strategy of a sweep point, so runs compare request by request. Of
+    #: several runs, the first run's (each run's own are in ``runs``).
+    service_times_s: list[float] = field(default_factory=list)
+    #: The fs tier directories kept after the run(s), of every run (``BenchPlan.keep_fs_dirs``).
+    fs_dirs: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in self.__dict__.items() if k not in ("spread", "runs")}
@@ -258,7 +271,7 @@ class RunResult:
 SPREAD_FIELDS = ("throughput_tokens_per_s", "ttft_p50_s", "ttft_p90_s", "ttft_mean_s", "ttft_kvtier_hit_mean_s",
                  "elapsed_s")
 _RUN_FIELDS = (*SPREAD_FIELDS, "computed_tokens", "hit_rate", "tokens_by_tier",
-               "checked_requests", "max_logit_error")
+               "checked_requests", "max_logit_error", "service_times_s", "fs_dirs")
 
 
 def aggregate_runs(runs: Sequence[RunResult]) -> RunResult:
@@ -275,6 +288,7 @@ def aggregate_runs(runs: Sequence[RunResult]) -> RunResult:
     row = RunResult(**{k: v for k, v in first.__dict__.items() if k not in ("repeats", "spread", "runs")})
     row.repeats = len(runs)
     row.max_logit_error = max(r.max_logit_error for r in runs)
+    row.fs_dirs = [path for r in runs for path in r.fs_dirs]
     for name in SPREAD_FIELDS:
         values = [getattr(r, name) for r in runs]
         setattr(row, name, statistics.median(values))
@@ -331,6 +345,8 @@ class _Server:
         self.ttfts: list[float] = []
         self.hit_ttfts: list[float] = []  # of requests to which kvtier supplied tokens
         self.busy_s = 0.0
+        self.service_times: list[float] = []
+        self.fs_dirs: list[str] = []  # kept ones only
         self.prompt_tokens = 0
         self.to_check: list[tuple[ChatRequest, torch.Tensor, dict[str, int]]] = []
 
@@ -363,7 +379,9 @@ class _Server:
         if engine is not None:
             await engine.store(tokens, alloc.block_ids, num_prompt_tokens=len(tokens))
         self.pool.release(alloc)
-        self.busy_s += time.perf_counter() - t0
+        service_s = time.perf_counter() - t0
+        self.busy_s += service_s
+        self.service_times.append(service_s)
         sources[RECOMPUTE_LABEL] = len(tokens) - cached
         for label, n in sources.items():
             self.by_tier[label] = self.by_tier.get(label, 0) + n
@@ -438,6 +456,8 @@ class _Server:
             engine_stats=engine_stats,
             kvtier_hit_requests=len(self.hit_ttfts),
             ttft_kvtier_hit_mean_s=sum(self.hit_ttfts) / len(self.hit_ttfts) if self.hit_ttfts else 0.0,
+            service_times_s=list(self.service_times),
+            fs_dirs=list(self.fs_dirs),
         )
 
 
@@ -462,16 +482,22 @@ async def run_point(
 
     with contextlib.ExitStack() as dirs:
 
-        def fresh_dir() -> str:
-            path = tempfile.mkdtemp(prefix="kvtier-bench-", dir=plan.fs_root)
-            dirs.callback(shutil.rmtree, path, ignore_errors=True)
+        def fresh_dir(server: _Server) -> str:
+            # mkdtemp creates a new directory (never an existing one), so removing it after the
+            # run removes only what this run wrote.
+            prefix = f"kvtier-bench-{_SAFE_NAME.sub('_', server.strategy.name)[:64]}-{conversations}conv-"
+            path = tempfile.mkdtemp(prefix=prefix, dir=plan.fs_root)
+            if plan.keep_fs_dirs:
+                server.fs_dirs.append(path)
+            else:
+                dirs.callback(shutil.rmtree, path, ignore_errors=True)
             return path
 
         async with contextlib.AsyncExitStack() as stack:
             servers: list[_Server] = []
             for strategy in strategies:
-                config = strategy.resolve(plan.host_bytes, fresh_dir)
                 server = _Server(plan, strategy, model, None)
+                config = strategy.resolve(plan.host_bytes, lambda server=server: fresh_dir(server))
                 if config is not None:
                     server.engine = await stack.enter_async_context(
                         kvtier.open(config, geometry_for(plan.model), server.pool.kv)
