@@ -356,3 +356,42 @@ async def test_auth_without_curve_support_is_a_config_error(tmp_path: Path, monk
     with pytest.raises(ConfigError, match="CURVE"):
         await plane(auth=keys).start()
 
+
+
+async def test_refused_connections_are_counted_and_logged_once_per_address(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A stranger's CURVE key (ZAP denial) and plaintext clients (failed handshake) are seen on the
+    refusing side: counted by reason, and logged at WARNING once per address (or reason) per
+    minute however often they retry (they used to leave no trace there)."""
+    pa, pc = free_port(), free_port()
+    ka, kc = make_keys(tmp_path, "a", pa), make_keys(tmp_path, "c", pc)
+    trust(kc, ka)  # c knows a's key, but a does not trust c
+    a, c = plane(pa, auth=ka), plane(pc, auth=kc)
+    await a.start()
+    await c.start()
+    ctx = zmq.asyncio.Context()
+    try:
+        with caplog.at_level("WARNING", logger="kvtier.tiers.p2p.control"):
+            c.connect(a.identity)
+            assert c.send(a.identity, lookup("untrusted"))
+            assert await next_item(c) == PeerDown(a.identity, "handshake_failed")
+            for _ in range(3):  # plaintext clients at a CURVE server
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.IDENTITY, f"127.0.0.1:{free_port()}".encode())
+                sock.connect(f"tcp://{a.identity}")
+                await sock.send(encode(lookup("plain")))
+            for _ in range(100):  # a's receive loop sees the refusals; nothing is delivered
+                assert await nothing_delivered(a, 0.1)
+                refused = a.statistics().connections_refused
+                if refused.get("untrusted_key", 0) >= 1 and refused.get("handshake_failed", 0) >= 3:
+                    break
+        refused = a.statistics().connections_refused
+        assert refused.get("untrusted_key", 0) >= 1 and refused.get("handshake_failed", 0) >= 3, refused
+        lines = [r.getMessage() for r in caplog.records if r.name == "kvtier.tiers.p2p.control"]
+        assert sum("CURVE key is not trusted" in line and "127.0.0.1" in line for line in lines) == 1, lines
+        assert sum("failed its handshake" in line for line in lines) == 1, lines
+    finally:
+        ctx.destroy(linger=0)
+        await c.aclose()
+        await a.aclose()
