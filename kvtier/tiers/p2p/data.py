@@ -70,6 +70,7 @@ import logging
 import os
 import secrets
 import socket
+import stat
 import sys
 import threading
 import time
@@ -443,9 +444,19 @@ def _shut_down(connection: _Connection) -> bool:
         duplicate = os.dup(connection.fd)
     except OSError:
         return False
-    with socket.socket(fileno=duplicate) as sock:  # closing the duplicate leaves UCX's descriptor
-        if os.fstat(duplicate).st_ino != connection.inode:
-            return False  # the descriptor was closed and reused since the listing
+    try:
+        info = os.fstat(duplicate)
+        sock = None
+        if stat.S_ISSOCK(info.st_mode) and info.st_ino == connection.inode:  # not reused since
+            sock = socket.socket(fileno=duplicate)
+    except OSError:
+        sock = None
+    if sock is None:
+        os.close(duplicate)
+        return False
+    # Shutting the connection down through the duplicate acts on the one UCX holds (UCX then
+    # closes its own descriptor once it reads the end); closing the duplicate leaves UCX's.
+    with sock:
         try:
             sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -767,7 +778,12 @@ class DataPlane:
         shut: set[int] = set()  # inodes shut down, until UCX closes them
         while not self._closing:
             await anyio.sleep(period)
-            connections = await anyio.to_thread.run_sync(_accepted_connections, self.port)
+            try:
+                connections = await anyio.to_thread.run_sync(_accepted_connections, self.port)
+            except Exception as exc:  # noqa: BLE001 - an unreadable /proc must not end serving
+                self._refusals("listing", "data plane: cannot list the connections to port %d: %r",
+                               self.port, exc)
+                continue
             remotes = [link.remote for link in self._links if link.session_id is not None]
             remotes += self._handshaking.values()
             if None in remotes:
