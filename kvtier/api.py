@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
     from kvtier.layerwise import BlockingLayerwiseLoad, LayerwiseLoad
     from kvtier.tiers.base import SecondaryTier
-    from kvtier.tiers.copy_engine import CopyEngine, CopyResult, Direction
+    from kvtier.tiers.copy_engine import CopyEngine, CopyOrder, CopyResult, Direction
     from kvtier.tiers.cpu import HostTier
 
 __all__ = ["Engine", "LoadOutcome", "open", "start_in_thread", "ThreadedEngine", "CopyStatistics"]
@@ -428,7 +428,17 @@ class Engine:
             return
         self.publisher.publish(self.translator.translate(events))
 
-    async def _copy(self, direction: Direction, slot_ids: list[int], block_ids: list[int]) -> CopyResult:
+    def _order(self, stream: Any, after: Any) -> CopyOrder | None:
+        """The caller's place among its device work (``CopyEngine.capture_order``); call it in the
+        caller's thread, first thing in the operation."""
+        if self.copy_engine is None:
+            if stream is not None or after is not None:
+                raise ValueError("stream= and after= need an engine opened with device_kv")
+            return None
+        return self.copy_engine.capture_order(stream, after)
+
+    async def _copy(self, direction: Direction, slot_ids: list[int], block_ids: list[int],
+                    order: CopyOrder | None) -> CopyResult:
         from kvtier.tiers.copy_engine import CopyJob
 
         if self.copy_engine is None:
@@ -437,7 +447,7 @@ class Engine:
         done = anyio.Event()
         box: list[CopyResult] = []
         self._copy_waiters[job_id] = (done, box)
-        self.copy_engine.submit(CopyJob(job_id, direction, slot_ids, block_ids))
+        self.copy_engine.submit(CopyJob(job_id, direction, slot_ids, block_ids, order=order))
         # Shielded: the copy cannot be recalled once submitted, and the caller releases the host
         # slots (and may reuse the device blocks) as soon as this returns — so even a cancelled
         # caller waits for the copy's result. Copies are bounded (a few ms); the copy engine
@@ -451,6 +461,8 @@ class Engine:
                 self._copy_waiters.pop(job_id, None)
         result = box[0]
         self._copy_counters.record(direction, result)
+        if direction == "to_device" and result.success:
+            self.copy_engine.hand_over(order, result)
         return result
 
     @contextlib.asynccontextmanager
@@ -554,7 +566,7 @@ class Engine:
                    params: Mapping[str, Any] | None = None, *, num_computed_tokens: int = 0,
                    cache_salt: str | None = None, lora_name: str | None = None,
                    lora_path: str | None = None, mm_items: Sequence[tuple[str, int, int]] | None = None,
-                   prompt_embeds: torch.Tensor | None = None) -> int:
+                   prompt_embeds: torch.Tensor | None = None, stream: Any = None, after: Any = None) -> int:
         """Copy the cached prefix of ``token_ids`` into device blocks; return the new tokens placed.
 
         Chunks are looked up from chunk ``num_computed_tokens // chunk_tokens`` on (the caller
@@ -577,40 +589,50 @@ class Engine:
         ``prompt_embeds``; see :class:`Engine`) must be those the chunks were stored with;
         bad ones raise ``TypeError``/``ValueError`` naming the argument.
         Raises :class:`kvtier.EngineClosedError` once the engine is closing.
+
+        With CUDA ``device_kv`` (ordering, ``kvtier.tiers.copy_engine``): the copy overwrites the
+        blocks only after the work enqueued on ``stream`` before this call — default: the calling
+        thread's current stream, as it is when this is called — or after the event ``after``;
+        when this returns, ``stream`` waits for the copy, so kernels enqueued there afterwards read
+        the loaded KV. ``stream``/``after`` with CPU tensors are a ``ValueError``.
         """
         self._check_open("load")
+        order = self._order(stream, after)
         extras = _request_keys(cache_salt, lora_name, lora_path, mm_items, prompt_embeds)
-        return (await self._checked_load(token_ids, block_ids, params, num_computed_tokens, extras)).tokens
+        return (await self._checked_load(token_ids, block_ids, params, num_computed_tokens, extras,
+                                         order)).tokens
 
     async def load_with_sources(self, token_ids: Sequence[int], block_ids: Sequence[int],
                                 params: Mapping[str, Any] | None = None, *,
                                 num_computed_tokens: int = 0, cache_salt: str | None = None,
                                 lora_name: str | None = None, lora_path: str | None = None,
                                 mm_items: Sequence[tuple[str, int, int]] | None = None,
-                                prompt_embeds: torch.Tensor | None = None) -> LoadOutcome:
+                                prompt_embeds: torch.Tensor | None = None, stream: Any = None,
+                                after: Any = None) -> LoadOutcome:
         """Like :meth:`load`, also reporting how many tokens came from each tier label."""
         self._check_open("load_with_sources")
+        order = self._order(stream, after)
         extras = _request_keys(cache_salt, lora_name, lora_path, mm_items, prompt_embeds)
-        return await self._checked_load(token_ids, block_ids, params, num_computed_tokens, extras)
+        return await self._checked_load(token_ids, block_ids, params, num_computed_tokens, extras, order)
 
     async def _checked_load(self, token_ids: Sequence[int], block_ids: Sequence[int],
                             params: Mapping[str, Any] | None, num_computed_tokens: int,
-                            extras: RequestExtraKeys) -> LoadOutcome:
+                            extras: RequestExtraKeys, order: CopyOrder | None) -> LoadOutcome:
         token_ids = int_ids(token_ids, "token_ids")
         block_ids = int_ids(block_ids, "block_ids")
         num_computed_tokens = count(num_computed_tokens, "num_computed_tokens")
         async with self._operation():
-            return await self._load(token_ids, block_ids, params, num_computed_tokens, extras)
+            return await self._load(token_ids, block_ids, params, num_computed_tokens, extras, order)
 
     async def _load(self, token_ids: Sequence[int], block_ids: Sequence[int],
                     params: Mapping[str, Any] | None, num_computed_tokens: int,
-                    extras: RequestExtraKeys) -> LoadOutcome:
+                    extras: RequestExtraKeys, order: CopyOrder | None) -> LoadOutcome:
         staged = await self._stage_load(token_ids, block_ids, params, num_computed_tokens, extras)
         arrived = False
         try:
             if not staged.hit_keys:
                 return LoadOutcome(0, {})
-            result = await self._copy("to_device", staged.slot_ids, staged.block_ids)
+            result = await self._copy("to_device", staged.slot_ids, staged.block_ids, order)
             if not result.success:
                 logger.error("host→device copy failed: %s", result.error)
                 return LoadOutcome(0, {})
@@ -705,7 +727,7 @@ class Engine:
                     num_prompt_tokens: int | None = None, cache_salt: str | None = None,
                     lora_name: str | None = None, lora_path: str | None = None,
                     mm_items: Sequence[tuple[str, int, int]] | None = None,
-                    prompt_embeds: torch.Tensor | None = None) -> int:
+                    prompt_embeds: torch.Tensor | None = None, stream: Any = None, after: Any = None) -> int:
         """Offload the complete chunks of ``token_ids`` held in device ``block_ids``.
 
         Returns the number of tokens newly copied to host memory, once the device blocks may be
@@ -719,19 +741,26 @@ class Engine:
         ``num_prompt_tokens`` is ``None`` or an int >= 0. The chunks are keyed with the extra
         keys (see :class:`Engine`): only a call with the same ones finds them. Raises
         :class:`kvtier.EngineClosedError` once the engine is closing.
+
+        With CUDA ``device_kv`` (ordering, ``kvtier.tiers.copy_engine``): the copy reads the
+        blocks only after the work enqueued on ``stream`` before this call — default: the calling
+        thread's current stream, as it is when this is called; write the KV there, or pass the
+        stream that does — or after the event ``after``. ``stream``/``after`` with CPU tensors
+        are a ``ValueError``.
         """
         self._check_open("store")
+        order = self._order(stream, after)
         extras = _request_keys(cache_salt, lora_name, lora_path, mm_items, prompt_embeds)
         token_ids = int_ids(token_ids, "token_ids")
         block_ids = int_ids(block_ids, "block_ids")
         if num_prompt_tokens is not None:
             num_prompt_tokens = count(num_prompt_tokens, "num_prompt_tokens")
         async with self._operation():
-            return await self._store(token_ids, block_ids, params, num_prompt_tokens, extras)
+            return await self._store(token_ids, block_ids, params, num_prompt_tokens, extras, order)
 
     async def _store(self, token_ids: Sequence[int], block_ids: Sequence[int],
                      params: Mapping[str, Any] | None, num_prompt_tokens: int | None,
-                     extras: RequestExtraKeys) -> int:
+                     extras: RequestExtraKeys, order: CopyOrder | None) -> int:
         hashes, keys = self._hashes_and_keys(token_ids, extras)
         ctx = self._context("store", params, keys)
         self.manager.on_new_request(ctx)
@@ -763,7 +792,7 @@ class Engine:
                 device_blocks.extend(block_ids[i * self.blocks_per_chunk : (i + 1) * self.blocks_per_chunk])
             success = False
             try:
-                result = await self._copy("to_host", list(out.slot_ids), device_blocks)
+                result = await self._copy("to_host", list(out.slot_ids), device_blocks, order)
                 success = result.success
                 if not success:
                     logger.error("device→host copy failed: %s", result.error)
@@ -894,7 +923,8 @@ class Engine:
                        layers_per_group: int = 1, cache_salt: str | None = None,
                        lora_name: str | None = None, lora_path: str | None = None,
                        mm_items: Sequence[tuple[str, int, int]] | None = None,
-                       prompt_embeds: torch.Tensor | None = None) -> LayerwiseLoad:
+                       prompt_embeds: torch.Tensor | None = None, stream: Any = None,
+                       after: Any = None) -> LayerwiseLoad:
         """:meth:`load`, delivered layer group by layer group (semantics: ``kvtier.layerwise``).
 
         ``async with engine.load_layerwise(...) as layers:`` stages the load as :meth:`load`
@@ -909,6 +939,8 @@ class Engine:
         extra keys included (see :class:`Engine`: only chunks stored with the same ones are
         found); ``layers_per_group`` is an int >= 1; an engine opened without ``device_kv``
         raises ``RuntimeError``; a closing engine :class:`kvtier.EngineClosedError`.
+        ``stream``/``after`` order the copies as for :meth:`load`, captured at this call; each
+        group's copy is handed over to ``stream`` as the group is yielded.
         """
         from kvtier.layerwise import LayerwiseLoad, check_layers_per_group
 
@@ -920,8 +952,10 @@ class Engine:
         layers_per_group = check_layers_per_group(layers_per_group)
         if self.copy_engine is None:
             raise RuntimeError("this engine was opened without device_kv; it cannot load KV layer-wise")
+        order = self._order(stream, after)
         return LayerwiseLoad(self, token_ids, block_ids, params, extras,
-                             num_computed_tokens=num_computed_tokens, layers_per_group=layers_per_group)
+                             num_computed_tokens=num_computed_tokens, layers_per_group=layers_per_group,
+                             order=order)
 
 
 @contextlib.asynccontextmanager
@@ -1040,35 +1074,49 @@ class ThreadedEngine:
                 ) from exc
             raise
 
+    def _order(self, stream: Any, after: Any) -> dict[str, Any]:
+        """Capture the caller's order here, in the calling thread (its current stream is the one
+        that matters, not the loop thread's), as the ``stream``/``after`` the engine is given."""
+        order = self.engine._order(stream, after)
+        return {} if order is None else {"stream": order.stream, "after": order.ready}
+
     # The extra keys (cache_salt, lora_name, lora_path, mm_items, prompt_embeds) are those of
-    # :class:`Engine`, passed through unchanged.
+    # :class:`Engine`, passed through unchanged; ``stream``/``after`` order the copies against the
+    # calling thread's device work (see :meth:`Engine.store`, :meth:`Engine.load`).
     def load(self, token_ids: Sequence[int], block_ids: Sequence[int],
              params: Mapping[str, Any] | None = None, *, num_computed_tokens: int = 0,
              cache_salt: str | None = None, lora_name: str | None = None, lora_path: str | None = None,
              mm_items: Sequence[tuple[str, int, int]] | None = None,
-             prompt_embeds: torch.Tensor | None = None) -> int:
+             prompt_embeds: torch.Tensor | None = None, stream: Any = None, after: Any = None) -> int:
+        order = self._order(stream, after)
         return self._call("load", lambda: self.engine.load(
             token_ids, block_ids, params, num_computed_tokens=num_computed_tokens, cache_salt=cache_salt,
-            lora_name=lora_name, lora_path=lora_path, mm_items=mm_items, prompt_embeds=prompt_embeds))
+            lora_name=lora_name, lora_path=lora_path, mm_items=mm_items, prompt_embeds=prompt_embeds,
+            **order))
 
     def load_with_sources(self, token_ids: Sequence[int], block_ids: Sequence[int],
                           params: Mapping[str, Any] | None = None, *,
                           num_computed_tokens: int = 0, cache_salt: str | None = None,
                           lora_name: str | None = None, lora_path: str | None = None,
                           mm_items: Sequence[tuple[str, int, int]] | None = None,
-                          prompt_embeds: torch.Tensor | None = None) -> LoadOutcome:
+                          prompt_embeds: torch.Tensor | None = None, stream: Any = None,
+                          after: Any = None) -> LoadOutcome:
+        order = self._order(stream, after)
         return self._call("load_with_sources", lambda: self.engine.load_with_sources(
             token_ids, block_ids, params, num_computed_tokens=num_computed_tokens, cache_salt=cache_salt,
-            lora_name=lora_name, lora_path=lora_path, mm_items=mm_items, prompt_embeds=prompt_embeds))
+            lora_name=lora_name, lora_path=lora_path, mm_items=mm_items, prompt_embeds=prompt_embeds,
+            **order))
 
     def store(self, token_ids: Sequence[int], block_ids: Sequence[int],
               params: Mapping[str, Any] | None = None, *, num_prompt_tokens: int | None = None,
               cache_salt: str | None = None, lora_name: str | None = None, lora_path: str | None = None,
               mm_items: Sequence[tuple[str, int, int]] | None = None,
-              prompt_embeds: torch.Tensor | None = None) -> int:
+              prompt_embeds: torch.Tensor | None = None, stream: Any = None, after: Any = None) -> int:
+        order = self._order(stream, after)
         return self._call("store", lambda: self.engine.store(
             token_ids, block_ids, params, num_prompt_tokens=num_prompt_tokens, cache_salt=cache_salt,
-            lora_name=lora_name, lora_path=lora_path, mm_items=mm_items, prompt_embeds=prompt_embeds))
+            lora_name=lora_name, lora_path=lora_path, mm_items=mm_items, prompt_embeds=prompt_embeds,
+            **order))
 
     def cached_prefix_tokens(self, token_ids: Sequence[int], *, cache_salt: str | None = None,
                              lora_name: str | None = None, lora_path: str | None = None,
@@ -1149,15 +1197,17 @@ class ThreadedEngine:
                        layers_per_group: int = 1, cache_salt: str | None = None,
                        lora_name: str | None = None, lora_path: str | None = None,
                        mm_items: Sequence[tuple[str, int, int]] | None = None,
-                       prompt_embeds: torch.Tensor | None = None) -> BlockingLayerwiseLoad:
+                       prompt_embeds: torch.Tensor | None = None, stream: Any = None,
+                       after: Any = None) -> BlockingLayerwiseLoad:
         """Blocking :meth:`Engine.load_layerwise`: ``with engine.load_layerwise(...) as layers:``
         then ``for group in layers:``, each step blocking until that group is on the device."""
         from kvtier.layerwise import BlockingLayerwiseLoad
 
+        order = self._order(stream, after)
         load = self._call("load_layerwise", lambda: self.engine.load_layerwise(
             token_ids, block_ids, params, num_computed_tokens=num_computed_tokens,
             layers_per_group=layers_per_group, cache_salt=cache_salt, lora_name=lora_name,
-            lora_path=lora_path, mm_items=mm_items, prompt_embeds=prompt_embeds))
+            lora_path=lora_path, mm_items=mm_items, prompt_embeds=prompt_embeds, **order))
         return BlockingLayerwiseLoad(load, self._call)
 
 

@@ -37,6 +37,10 @@ Semantics callers rely on:
 * **Devices.** With CUDA tensors each group is one job on the copy engine's stream, with its own
   event, polled with ``event.query()`` (nothing calls ``synchronize()``); with CPU tensors each
   group is one job of the CPU copy engine, reported as soon as it is copied.
+* **Ordering (CUDA).** The copies wait for the caller's stream as it was at
+  ``load_layerwise(...)`` (or for its ``after`` event), and as each group is yielded the caller's
+  stream is made to wait for that group's copy: kernels enqueued on it after the ``async for``
+  step read the group's KV (``kvtier.tiers.copy_engine``, "Ordering").
 * **Misuse raises at once**: ``layers_per_group`` not an int >= 1 (``TypeError``/``ValueError``)
   and an engine opened without ``device_kv`` (``RuntimeError``) at the call; bad ids as for
   ``load`` (``TypeError``/``ValueError``: ids at the call, block ids on entry); entering twice,
@@ -72,7 +76,7 @@ if TYPE_CHECKING:
     from kvtier.api import StagedLoad
     from kvtier.keys import RequestExtraKeys
     from kvtier.layout import KVGeometry
-    from kvtier.tiers.copy_engine import CopyEngine, CopyResult
+    from kvtier.tiers.copy_engine import CopyEngine, CopyOrder, CopyResult
 
 __all__ = ["LayerGroup", "LayerwiseLoad", "LayerwiseLoadError", "BlockingLayerwiseLoad", "layer_groups"]
 
@@ -191,8 +195,10 @@ class LayerwiseLoad:
         *,
         num_computed_tokens: int,
         layers_per_group: int,
+        order: CopyOrder | None = None,
     ) -> None:
         self._engine = engine
+        self._order = order  # the caller's, captured at load_layerwise (see the copy engine)
         self._token_ids = token_ids
         self._block_ids = block_ids
         self._params = params
@@ -268,6 +274,9 @@ class LayerwiseLoad:
                              group.start, group.stop - 1, result.error)
                 self._failure = LayerwiseLoadError(group, result.error)
                 raise self._failure
+            copy_engine = self._engine.copy_engine
+            if copy_engine is not None:
+                copy_engine.hand_over(self._order, result)  # the caller's stream waits for the group
         self._next += 1
         return group
 
@@ -290,7 +299,8 @@ class LayerwiseLoad:
         assert copy_engine is not None  # load_layerwise refuses an engine without device_kv
         copy = _GroupCopy(next(engine._copy_ids), anyio.Event())
         engine._copy_waiters[copy.job_id] = (copy.done, copy.box)
-        copy_engine.submit(CopyJob(copy.job_id, "to_device", slot_ids, blocks, layers=(group.start, group.stop)))
+        copy_engine.submit(CopyJob(copy.job_id, "to_device", slot_ids, blocks, layers=(group.start, group.stop),
+                                   order=self._order))
         return copy
 
     async def _wait_for(self, copies: list[_GroupCopy]) -> None:

@@ -25,6 +25,23 @@ yet started can be withdrawn with :meth:`CopyEngine.cancel`.
 Two engines implement the contract: :class:`CpuCopyEngine` (the "device" is CPU memory; copies
 run in worker threads) and :class:`CudaCopyEngine` (copies on a dedicated CUDA stream, completion
 observed by polling a CUDA event — nothing on the serving path calls ``synchronize()``).
+
+Ordering with the caller's device work (CUDA; the contract a caller reads):
+
+* **A copy waits for the caller's stream as it was at the call.** :meth:`CopyEngine.capture_order`
+  runs in the caller's thread when the caller's operation starts (``Engine.store``/``load`` call
+  it first thing, the blocking facade in the thread that calls it): it records an event on the
+  caller's stream — the one given, else the calling thread's current stream on the engine's
+  device — or takes the event the caller gives (``after``). The job's copies are issued on the
+  engine's own stream after that event: a store reads the KV only after the kernels that wrote it,
+  a load overwrites blocks only after the work that last read them. Work the caller enqueues later
+  is not waited for.
+* **A load's bytes are ordered before the caller's later work.** Once a job to the device has
+  finished, :meth:`CopyEngine.hand_over` makes the caller's stream wait for the job's completion
+  event, so kernels the caller enqueues on that stream afterwards see the loaded KV (a layer-wise
+  load hands over each group's event as it yields the group).
+* Without CUDA both are no-ops (``capture_order`` refuses a ``stream``/``after``: there is
+  nothing to order against).
 """
 
 from __future__ import annotations
@@ -50,6 +67,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CopyJob",
+    "CopyOrder",
     "CopyResult",
     "CopyEngine",
     "CpuCopyEngine",
@@ -67,6 +85,19 @@ CLOSE_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
+class CopyOrder:
+    """Where one caller's copies sit among its own device work (see the module docstring).
+
+    ``stream`` is the caller's stream (a load hands its completion over to it); ``ready`` the
+    event, recorded on it when the caller's operation started (or given by the caller), that the
+    copies wait for.
+    """
+
+    stream: Any
+    ready: Any
+
+
+@dataclass(frozen=True, slots=True)
 class CopyJob:
     """Copy ``len(slot_ids)`` chunks between device blocks and host slots.
 
@@ -74,6 +105,8 @@ class CopyJob:
     load). Chunk ``i`` uses device blocks ``block_ids[i*bpc:(i+1)*bpc]`` and host slot
     ``slot_ids[i]``; so ``len(block_ids) == len(slot_ids) * blocks_per_chunk``. ``layers``
     ``(start, stop)`` copies only layers ``start <= l < stop`` of every page (``None``: all).
+    ``order`` is the caller's :meth:`CopyEngine.capture_order` (``None``: the CUDA engine waits
+    for the current stream of the thread that submits, the engine's loop thread).
     """
 
     job_id: int
@@ -81,18 +114,22 @@ class CopyJob:
     slot_ids: Sequence[int]
     block_ids: Sequence[int]
     layers: tuple[int, int] | None = None
+    order: CopyOrder | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class CopyResult:
     """Outcome of one job. ``nbytes`` counts bytes this rank copied (0 on failure);
-    ``seconds`` is issue → observed completion; ``error`` names the failure (``None`` on success)."""
+    ``seconds`` is issue → observed completion; ``error`` names the failure (``None`` on success);
+    ``done`` is the CUDA event recorded after the job's copies (``None`` without CUDA), which
+    :meth:`CopyEngine.hand_over` makes the caller's stream wait for."""
 
     job_id: int
     success: bool
     nbytes: int
     seconds: float
     error: str | None = None
+    done: Any = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -379,6 +416,25 @@ class CopyEngine(abc.ABC):
             return
         self._unreported.add(job.job_id)
 
+    def capture_order(self, stream: Any = None, after: Any = None) -> CopyOrder | None:
+        """The caller's place among its device work; call it in the caller's thread, first thing.
+
+        This engine copies CPU memory: there is no device work to order against, so this is
+        ``None``, and a ``stream`` or ``after`` is a ``ValueError`` (a caller's mistake, such as
+        CUDA events for an engine opened with CPU tensors).
+        """
+        if stream is not None or after is not None:
+            raise ValueError("stream= and after= order copies against CUDA work; this engine copies CPU "
+                             "tensors (open it with CUDA device_kv)")
+        return None
+
+    def hand_over(self, order: CopyOrder | None, result: CopyResult) -> None:
+        """After a successful job to the device: the caller's later work waits for its bytes.
+
+        Nothing to do here (CPU copies are complete when reported); the CUDA engine makes
+        ``order.stream`` wait for ``result.done``.
+        """
+
     def cancel(self, job_id: int) -> None:
         """Withdraw job ``job_id`` if no worker has started it (see the class docstring).
 
@@ -653,12 +709,33 @@ class CudaCopyEngine(CopyEngine):
         self._issued: collections.deque[_IssuedJob] = collections.deque()
         self._issued_event = anyio.Event()
 
+    def capture_order(self, stream: Any = None, after: Any = None) -> CopyOrder:
+        """An event recorded now on ``stream`` (default: this thread's current stream on the
+        engine's device), or ``after`` itself; ``TypeError``/``ValueError`` for a stream or event
+        that is not a CUDA one of this device."""
+        if stream is None:
+            stream = torch.cuda.current_stream(self._cuda_device)
+        elif not isinstance(stream, torch.cuda.Stream):
+            raise TypeError(f"stream must be a torch.cuda.Stream, not {type(stream).__name__}")
+        elif stream.device != self._cuda_device:
+            raise ValueError(f"stream is on {stream.device}, the KV cache on {self._cuda_device}")
+        if after is None:
+            after = torch.cuda.Event()
+            after.record(stream)
+        elif not isinstance(after, torch.cuda.Event):
+            raise TypeError(f"after must be a torch.cuda.Event, not {type(after).__name__}")
+        return CopyOrder(stream, after)
+
+    def hand_over(self, order: CopyOrder | None, result: CopyResult) -> None:
+        if order is not None and result.done is not None:
+            order.stream.wait_event(result.done)
+
     def _on_submit(self, job: CopyJob) -> Any:
-        # Recorded on the submitter's current stream now, so the copy stream waits for work the
-        # caller already enqueued (the compute that wrote, or last read, these blocks).
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self._cuda_device))
-        return ready
+        if job.order is not None:
+            return job.order.ready
+        # No caller's order: the submitting thread's current stream now (a direct user of the
+        # engine, on the loop thread), so the copy at least waits for work enqueued there.
+        return self.capture_order().ready
 
     async def _start_workers(self, tg: anyio.abc.TaskGroup) -> None:
         tg.start_soon(self._issuer)
@@ -721,7 +798,8 @@ class CudaCopyEngine(CopyEngine):
         finished = [issued for issued in self._issued if issued.done.query()]
         for issued in finished:
             self._issued.remove(issued)
-            self._report(CopyResult(issued.job.job_id, True, issued.nbytes, time.monotonic() - issued.start))
+            self._report(CopyResult(issued.job.job_id, True, issued.nbytes, time.monotonic() - issued.start,
+                                    done=issued.done))
         return bool(finished)
 
 
