@@ -913,6 +913,8 @@ class Engine:
                 self.metrics_server.close()
         if errors:
             raise errors[0]  # the host buffer stays alive: the tier that failed may still touch it
+        if self.copy_engine is not None and not self.copy_engine.fenced:
+            return  # a device copy may still read or write it: keep the buffer (the engine said so)
         host = getattr(self, "host", None)  # absent when start-up failed before building it
         if host is not None:
             host.close()

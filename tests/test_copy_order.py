@@ -188,3 +188,27 @@ async def test_a_job_without_an_order_still_runs(anyio_backend: str) -> None:
             await engine.aclose()
     finally:
         buffer.close()
+
+
+@pytest.mark.anyio
+async def test_the_host_buffer_is_kept_when_closing_could_not_fence_the_copies(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy engine that reports copies possibly still running after its close (a hung GPU) must
+    not have the host buffer freed under them: the engine keeps it."""
+
+    class Unfenced(CpuCopyEngine):
+        async def _finish_in_flight(self) -> None:
+            self.fenced = False
+
+    monkeypatch.setattr(copy_engine_module, "make_copy_engine", lambda *a, **k: Unfenced(*a, **k))
+    blocks = list(range(len(TOKENS) // BLOCK))
+    async with kvtier.open(config(), geometry(), device_kv()) as engine:
+        await engine.store(TOKENS, blocks)
+        host = engine.host
+    assert host._buffer is not None  # kept: a device copy might still use it
+
+    monkeypatch.setattr(copy_engine_module, "make_copy_engine", lambda *a, **k: CpuCopyEngine(*a, **k))
+    async with kvtier.open(config(), geometry(), device_kv()) as engine:
+        await engine.store(TOKENS, blocks)
+        host = engine.host
+    assert host._buffer is None  # fenced: released as usual

@@ -363,7 +363,8 @@ class CopyEngine(abc.ABC):
     * :meth:`run` opens the task group, reports ``task_status.started()`` and returns after
       :meth:`aclose`. :meth:`aclose` stops accepting jobs, lets copies already issued finish (a
       copy in flight cannot be recalled and its result is truthful), fails every job still
-      queued with ``error="closed"``, and returns within :data:`CLOSE_TIMEOUT_S`.
+      queued with ``error="closed"``, and returns within :data:`CLOSE_TIMEOUT_S`; if copies it
+      issued could still be running then, :attr:`fenced` is False.
     """
 
     def __init__(
@@ -388,6 +389,8 @@ class CopyEngine(abc.ABC):
         self._closed = False
         self._cancel_scope: anyio.CancelScope | None = None
         self._stopped: anyio.Event | None = None
+        #: False once closing found copies still running: the host buffer must then be kept.
+        self.fenced = True
 
     # --- manager-facing (sync, loop thread) ---------------------------------------------------
     @property
@@ -654,31 +657,102 @@ class CpuCopyEngine(CopyEngine):
 @dataclass(slots=True)
 class _IssuedJob:
     job: CopyJob
-    done: Any  # torch.cuda.Event recorded after the job's last copy
+    started: Any  # event recorded on the stream before the job's first copy (timing)
+    done: Any  # event recorded after its last copy (timing, blocking sync)
     nbytes: int
-    start: float
+    start: float  # time.monotonic() when issuing began
+
+
+class _Completions:
+    """The issued jobs of one stream, reported in order as their ``done`` events fire.
+
+    :meth:`run` waits for the oldest job's event on a helper thread (``event.synchronize()`` of a
+    blocking-sync event: the thread sleeps in the driver until the copies are done, then the loop
+    is told at once) — no polling loop, so a job is seen done within a thread wake-up of its
+    copies finishing instead of an event-loop sleep (rounded up to ~1 ms on asyncio and trio).
+    Events of one stream fire in the order they were recorded, so waiting for the oldest is
+    waiting for the next to finish. Duck-typed events (``synchronize()``,
+    ``elapsed_time(other)``), so the logic is testable without CUDA.
+    """
+
+    def __init__(self, report: Callable[[_IssuedJob, float], None]) -> None:
+        self._report = report
+        self._jobs: collections.deque[_IssuedJob] = collections.deque()
+        self._arrived = anyio.Event()
+        self._limiter = anyio.CapacityLimiter(1)
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def add(self, issued: _IssuedJob) -> None:
+        self._jobs.append(issued)
+        self._arrived.set()
+
+    async def run(self) -> None:
+        """Report jobs as they finish, until cancelled."""
+        while True:
+            if not self._jobs:
+                self._arrived = anyio.Event()
+                await self._arrived.wait()
+                continue
+            issued = self._jobs[0]
+            # Cancelled (closing), the thread is left to finish on its own and the job stays
+            # queued: :meth:`fence` then waits for it, with a deadline.
+            await anyio.to_thread.run_sync(issued.done.synchronize, limiter=self._limiter,
+                                           abandon_on_cancel=True)
+            self._jobs.popleft()
+            self._report(issued, _gpu_seconds(issued))
+
+    async def fence(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for every remaining job's copies, reporting each as done; False
+        (the rest left unreported, their copies possibly running) if they did not finish."""
+        with anyio.move_on_after(timeout):
+            while self._jobs:
+                issued = self._jobs[0]
+                await anyio.to_thread.run_sync(issued.done.synchronize, limiter=self._limiter,
+                                               abandon_on_cancel=True)
+                self._jobs.popleft()
+                self._report(issued, _gpu_seconds(issued))
+            return True
+        return False
+
+    def take_all(self) -> list[_IssuedJob]:
+        jobs = list(self._jobs)
+        self._jobs.clear()
+        return jobs
+
+
+def _gpu_seconds(issued: _IssuedJob) -> float:
+    """The job's copy time measured by the device (its two timing events), else wall time."""
+    try:
+        return float(issued.started.elapsed_time(issued.done)) / 1000.0
+    except Exception:  # noqa: BLE001 - an event without timing: the host's view is still right
+        return time.monotonic() - issued.start
 
 
 class CudaCopyEngine(CopyEngine):
     """Copy engine for CUDA device tensors and a pinned host buffer.
 
     Copies are issued (``non_blocking=True``) on a dedicated stream per direction, after the
-    stream waits for an event recorded on the submitter's current stream (so a store reads the
-    blocks only after the compute that wrote them). One ``torch.cuda.Event`` is recorded per job;
-    a poller task checks ``event.query()`` with a short ``anyio.sleep`` backoff and reports jobs as
-    they complete. Issuing happens in a worker thread (own limiter of 1, so jobs enter their
-    stream in submission order) to keep Python launch overhead off the loop. A layer-wise load
-    submits one job per layer group, so each group gets its own event, recorded after the
-    group's copies on the stream.
+    stream waits for the caller's order event (module docstring, "Ordering"). Each job records a
+    timing event before its first copy and a blocking-sync timing event after its last; per
+    stream a :class:`_Completions` helper thread waits for the oldest job's event and reports it
+    (``CopyResult.seconds`` is the device's own measure of the copies, ``done`` the event).
+    Issuing happens in a worker thread (own limiter of 1, so jobs enter their stream in
+    submission order) to keep Python launch overhead off the loop. A layer-wise load submits one
+    job per layer group, so each group gets its own event.
+
+    Fences: a job whose issuing fails part-way is failed only after the copies it did issue have
+    finished (an event recorded after them is waited for), so its slots and blocks are never
+    released under a live copy; :meth:`aclose` waits for every issued copy of both streams; if they
+    do not finish within the close timeout, :attr:`fenced` is False and the engine's owner must
+    not release the host buffer (``kvtier.Engine`` then keeps it, and says so).
 
     Copy granularity: cross-layer at TP 1 copies each run of consecutive blocks in one DMA;
     per-layer copies one page (block × layer) at a time so both sides stay contiguous. At TP > 1
     a rank's heads are strided inside each host page, which torch stages through a temporary
     (correct, but the issuing thread waits for that copy); a 2-D DMA would remove the staging.
     """
-
-    POLL_MIN_S = 50e-6
-    POLL_MAX_S = 200e-6
 
     def __init__(
         self,
@@ -706,8 +780,7 @@ class CudaCopyEngine(CopyEngine):
             "to_device": torch.cuda.Stream(device=self._cuda_device),
         }
         self._issue_limiter = anyio.CapacityLimiter(1)
-        self._issued: collections.deque[_IssuedJob] = collections.deque()
-        self._issued_event = anyio.Event()
+        self._completions = {direction: _Completions(self._report_issued) for direction in self._streams}
 
     def capture_order(self, stream: Any = None, after: Any = None) -> CopyOrder:
         """An event recorded now on ``stream`` (default: this thread's current stream on the
@@ -739,18 +812,28 @@ class CudaCopyEngine(CopyEngine):
 
     async def _start_workers(self, tg: anyio.abc.TaskGroup) -> None:
         tg.start_soon(self._issuer)
-        tg.start_soon(self._poller)
+        for completions in self._completions.values():
+            tg.start_soon(completions.run)
 
     def _issue(self, job: CopyJob, ready: Any) -> _IssuedJob:
-        """Enqueue the job's copies and its completion event (worker thread; never waits)."""
+        """Enqueue the job's copies between its two events (worker thread; waits only to fence a
+        job that failed part-way)."""
         stream = self._streams[job.direction]
         start = time.monotonic()
         with torch.cuda.device(self._cuda_device), torch.cuda.stream(stream):
             stream.wait_event(ready)
-            nbytes = _copy_pairs(self._plan, job, non_blocking=True)
-            done = torch.cuda.Event()
+            started = torch.cuda.Event(enable_timing=True)
+            started.record(stream)
+            try:
+                nbytes = _copy_pairs(self._plan, job, non_blocking=True)
+            except BaseException:
+                fence = torch.cuda.Event()
+                fence.record(stream)
+                fence.synchronize()  # the copies already issued end before the job is failed
+                raise
+            done = torch.cuda.Event(enable_timing=True, blocking=True)
             done.record(stream)
-        return _IssuedJob(job, done, nbytes, start)
+        return _IssuedJob(job, started, done, nbytes, start)
 
     async def _issuer(self) -> None:
         async for job, ready in self._receive:
@@ -765,42 +848,24 @@ class CudaCopyEngine(CopyEngine):
                     log.warning("copy job %d failed to issue: %r", job.job_id, exc)
                     self._fail(job, f"copy_error: {type(exc).__name__}")
                     continue
-            self._issued.append(issued)
-            self._issued_event.set()
+            self._completions[job.direction].add(issued)
 
-    async def _poller(self) -> None:
-        delay = self.POLL_MIN_S
-        while True:
-            if not self._issued:
-                self._issued_event = anyio.Event()
-                await self._issued_event.wait()
-                delay = self.POLL_MIN_S
-            if self._reap():
-                delay = self.POLL_MIN_S
-            else:
-                delay = min(delay * 2, self.POLL_MAX_S)
-            await anyio.sleep(delay)
+    def _report_issued(self, issued: _IssuedJob, seconds: float) -> None:
+        self._report(CopyResult(issued.job.job_id, True, issued.nbytes, seconds, done=issued.done))
 
     async def _finish_in_flight(self) -> None:
-        # Copies already on a stream finish on their own; wait for them (bounded, well inside
-        # aclose's timeout) so the caller learns the truth before it reuses slots or blocks.
-        with anyio.move_on_after(CLOSE_TIMEOUT_S / 2):
-            while self._issued:
-                self._reap()
-                if self._issued:
-                    await anyio.sleep(self.POLL_MAX_S)
-        while self._issued:
-            issued = self._issued.popleft()
-            self._fail(issued.job, "closed", time.monotonic() - issued.start)
-
-    def _reap(self) -> bool:
-        """Report every issued job whose completion event has fired; True if any had."""
-        finished = [issued for issued in self._issued if issued.done.query()]
-        for issued in finished:
-            self._issued.remove(issued)
-            self._report(CopyResult(issued.job.job_id, True, issued.nbytes, time.monotonic() - issued.start,
-                                    done=issued.done))
-        return bool(finished)
+        # Copies already on a stream finish on their own: wait for all of them (well inside
+        # aclose's timeout) so that nobody reuses slots or blocks, or frees the buffer, under one.
+        deadline = anyio.current_time() + CLOSE_TIMEOUT_S / 2
+        for completions in self._completions.values():
+            if not await completions.fence(max(0.0, deadline - anyio.current_time())):
+                self.fenced = False
+        if not self.fenced:
+            log.error("copies still running on the GPU %.1f s into closing; the host buffer is kept "
+                      "(not freed under them)", CLOSE_TIMEOUT_S / 2)
+        for completions in self._completions.values():
+            for issued in completions.take_all():
+                self._fail(issued.job, "closed", time.monotonic() - issued.start)
 
 
 def make_copy_engine(

@@ -1,0 +1,133 @@
+"""How the CUDA copy engine sees its copies finish (``_Completions``), with stand-in events.
+
+The waiting logic is duck-typed over events (``synchronize()``, ``elapsed_time()``), so it runs
+here with events that a test fires by hand: jobs are reported in order, each as soon as its event
+fires (a helper thread sleeps in ``synchronize``; nothing polls), and closing fences what was
+issued, within a deadline.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import anyio
+import pytest
+
+from kvtier.tiers.copy_engine import CopyJob, _Completions, _IssuedJob
+
+pytestmark = pytest.mark.anyio
+HANG_GUARD_S = 10.0  # a broken waiter fails instead of hanging; never a timing claim
+
+
+class FakeEvent:
+    """A CUDA event stand-in: ``fire()`` completes it; counts how it is waited for."""
+
+    def __init__(self, gpu_ms: float | None = None) -> None:
+        self._fired = threading.Event()
+        self.synchronized = 0
+        self.queried = 0
+        self.gpu_ms = gpu_ms
+
+    def fire(self) -> None:
+        self._fired.set()
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+        self._fired.wait()
+
+    def query(self) -> bool:  # never used by the waiter: present to catch polling
+        self.queried += 1
+        return self._fired.is_set()
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        if end.gpu_ms is None:
+            raise RuntimeError("no timing")
+        return end.gpu_ms
+
+
+def issued(job_id: int, gpu_ms: float | None = None) -> _IssuedJob:
+    return _IssuedJob(CopyJob(job_id, "to_host", [0], [0]), FakeEvent(), FakeEvent(gpu_ms), 4096, 0.0)
+
+
+async def test_jobs_are_reported_in_order_as_their_events_fire() -> None:
+    reported: list[tuple[int, float]] = []
+    got = anyio.Event()
+
+    def report(job: _IssuedJob, seconds: float) -> None:
+        reported.append((job.job.job_id, seconds))
+        got.set()
+
+    completions = _Completions(report)
+    jobs = [issued(i, gpu_ms=2.5) for i in range(3)]
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(completions.run)
+        for job in jobs:
+            completions.add(job)
+        for expected, job in enumerate(jobs):
+            got = anyio.Event()
+            job.done.fire()
+            with anyio.fail_after(HANG_GUARD_S):
+                await got.wait()
+            assert [i for i, _ in reported] == list(range(expected + 1))
+        tg.cancel_scope.cancel()
+    assert all(seconds == pytest.approx(0.0025) for _, seconds in reported)  # the device's measure
+    assert all(job.done.synchronized == 1 and job.done.queried == 0 for job in jobs)  # no polling
+
+
+async def test_a_later_event_waits_behind_the_oldest() -> None:
+    """Events of one stream fire in order; a job is never reported before those issued before it."""
+    reported: list[int] = []
+    completions = _Completions(lambda job, _s: reported.append(job.job.job_id))
+    first, second = issued(1), issued(2)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(completions.run)
+        completions.add(first)
+        completions.add(second)
+        second.done.fire()
+        await anyio.sleep(0.05)
+        assert reported == []
+        first.done.fire()
+        with anyio.fail_after(HANG_GUARD_S):
+            while len(reported) < 2:
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()
+    assert reported == [1, 2]
+
+
+async def test_fence_reports_what_finishes_and_says_when_copies_may_still_run() -> None:
+    reported: list[int] = []
+    completions = _Completions(lambda job, _s: reported.append(job.job.job_id))
+    done, stuck = issued(1), issued(2)
+    done.done.fire()
+    completions.add(done)
+    completions.add(stuck)
+    assert not await completions.fence(0.2)  # the second never finishes: not fenced
+    assert reported == [1]
+    assert [job.job.job_id for job in completions.take_all()] == [2]
+    stuck.done.fire()  # let the abandoned helper thread end
+    again = issued(3)
+    completions.add(again)
+    again.done.fire()
+    assert await completions.fence(HANG_GUARD_S)
+    assert reported == [1, 3] and len(completions) == 0
+
+
+async def test_cancelling_the_waiter_does_not_wait_for_a_stuck_event() -> None:
+    completions = _Completions(lambda job, _s: None)
+    stuck = issued(1)
+    with anyio.fail_after(HANG_GUARD_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(completions.run)
+            completions.add(stuck)
+            await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()
+    assert len(completions) == 1  # left for the fence
+    stuck.done.fire()
+
+
+def test_seconds_fall_back_to_the_wall_clock_without_timing(monkeypatch: Any) -> None:
+    from kvtier.tiers import copy_engine
+
+    monkeypatch.setattr(copy_engine.time, "monotonic", lambda: 7.0)
+    assert copy_engine._gpu_seconds(issued(1)) == 7.0
