@@ -321,3 +321,26 @@ def test_without_ucxx_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setitem(sys.modules, "ucxx", None)  # "not installed"
     with pytest.raises(ConfigError, match=r"kvtier\[p2p\]"):
         data._ucxx()
+
+
+def test_rdma_ports_behind_the_hosts_interfaces_stay_in_ucx_devices(tmp_path: Path) -> None:
+    """Confining UCX to the host's interfaces must not drop their RDMA transports (RoCE on the
+    same NIC, IPoIB's ib0): the HCA ports behind an interface are named as UCX names them."""
+    from kvtier.tiers.p2p.data import _rdma_ports
+
+    (tmp_path / "net" / "ens1f0" / "device" / "infiniband" / "mlx5_0").mkdir(parents=True)
+    (tmp_path / "net" / "lo").mkdir(parents=True)
+    for port in ("1", "2"):
+        (tmp_path / "infiniband" / "mlx5_0" / "ports" / port).mkdir(parents=True)
+    assert _rdma_ports(["ens1f0", "lo"], sysfs=str(tmp_path)) == ["mlx5_0:1", "mlx5_0:2"]
+    assert _rdma_ports(["lo"], sysfs=str(tmp_path)) == []
+
+
+def test_net_devices_confines_ucx_to_the_interfaces_of_the_host() -> None:
+    from kvtier.errors import ConfigError
+    from kvtier.tiers.p2p.data import net_devices
+
+    assert net_devices("127.0.0.1") == "lo"
+    assert net_devices("0.0.0.0") is None  # every device
+    with pytest.raises(ConfigError, match="not an address of any network interface"):
+        net_devices("192.0.2.254")  # TEST-NET-1: on no interface here

@@ -121,10 +121,41 @@ async def test_pins_of_a_lookup_that_is_never_fetched_are_released(producer: Pee
     assert no_pins(stats)
     assert p2p_metric(stats, "p2p_reaped_ids") == 1
     assert p2p_metric(stats, "p2p_open_requests") == 0
-    # The session itself is fine: a late fetch of that id is answered at once, as failed.
+    # The session itself is fine: a late fetch of that id is answered at once, as failed, and a
+    # new lookup of it finds nothing (it would only pin chunks no fetch can take).
     hostile.send(p.Fetch(kv_request_id="look-only", keys=keys[:1], block_indexes=[0], round_seq=0))
     done = await hostile.expect(p.TransferDone)
     assert isinstance(done, p.TransferDone) and not done.success
+    hostile.send(p.Lookup(kv_request_id="look-only", keys=keys, round_seq=1))
+    (again,) = await hostile.answers(p.LookupResp, 1)
+    assert again.hits == [False] * len(keys)
+    assert producer.call("stats")["pinned_slots"] == 0
+
+
+async def test_a_fetched_request_no_longer_counts_against_the_session() -> None:
+    """Classic P/D: once every parked chunk was sent the id holds nothing, so it leaves the
+    session's open ids without the terminal fetch (a busy decoder may send that late) — well
+    before the idle timeout, which is long here so that it cannot be what frees it."""
+    producer = Peer("producer", [p2p(free_port(), unbound_store_timeout_s=60)])
+    hostile = HostileConsumer(producer)
+    try:
+        await hostile.handshake()
+        producer.call("store", prompt=7, tokens=TOKENS, params=decoder("pd-open"))
+        keys = keys_of(producer, 7)
+        slots = [bytearray(SLOT_BYTES) for _ in keys]
+        async with anyio.create_task_group() as tg:
+            for i, slot in enumerate(slots):
+                tg.start_soon(hostile.link.recv, memoryview(slot), chunk_tag("pd-open", 0, i))
+            hostile.send(p.Fetch(kv_request_id="pd-open", keys=keys, block_indexes=list(range(len(keys))),
+                                 round_seq=0))
+            done = await hostile.expect(p.TransferDone)
+        assert isinstance(done, p.TransferDone) and done.success
+        stats = await wait_stats(producer, lambda s: no_pins(s) and p2p_metric(s, "p2p_open_requests") == 0)
+        assert no_pins(stats) and p2p_metric(stats, "p2p_open_requests") == 0
+        assert p2p_metric(stats, "p2p_reaped_ids") == 0  # not the idle timeout
+    finally:
+        await hostile.aclose()
+        producer.close()
 
 
 async def test_pins_after_a_partial_fetch_are_released_without_the_terminal_fetch(

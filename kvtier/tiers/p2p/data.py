@@ -341,7 +341,8 @@ def host_addresses(host: str) -> frozenset[str]:
 
 
 def net_devices(host: str) -> str | None:
-    """The ``UCX_NET_DEVICES`` value that confines UCX's TCP transport to ``host``'s interfaces.
+    """The ``UCX_NET_DEVICES`` value that confines UCX to ``host``'s interfaces (and their RDMA
+    ports, :func:`_rdma_ports`).
 
     None for a wildcard host (every device). Raises :class:`ConfigError` when no interface of
     this machine holds any of ``host``'s addresses (the control plane could not bind it either).
@@ -353,7 +354,27 @@ def net_devices(host: str) -> str | None:
     if not names:
         raise ConfigError(f"p2p host {host[:64]!r} ({', '.join(sorted(addresses))}) is not an "
                           "address of any network interface of this machine")
-    return ",".join(names)
+    return ",".join(names + _rdma_ports(names))
+
+
+def _rdma_ports(interfaces: list[str], sysfs: str = "/sys/class") -> list[str]:
+    """UCX's names (``mlx5_0:1``) of the RDMA ports behind ``interfaces``: every port of each HCA
+    that shares an interface's PCI device (RoCE, or IPoIB's ``ib0``), so confining UCX to the
+    host's interfaces keeps their RDMA transports. None where the machine has no such device."""
+    ports: list[str] = []
+    for interface in interfaces:
+        hcas = os.path.join(sysfs, "net", interface, "device", "infiniband")
+        try:
+            names = sorted(os.listdir(hcas))
+        except OSError:
+            continue  # not an RDMA-capable device (loopback, a plain NIC, a virtual interface)
+        for hca in names:
+            try:
+                numbers = sorted(os.listdir(os.path.join(sysfs, "infiniband", hca, "ports")), key=int)
+            except (OSError, ValueError):
+                continue
+            ports += [f"{hca}:{number}" for number in numbers if f"{hca}:{number}" not in ports]
+    return ports
 
 
 def _ucp_library() -> Any:
@@ -367,28 +388,31 @@ def _ucp_library() -> Any:
     return lib
 
 
+_UCP_EP_ATTR_FIELD_LOCAL_SOCKADDR: Final = 1 << 1
 _UCP_EP_ATTR_FIELD_REMOTE_SOCKADDR: Final = 1 << 2
 # ucp_ep_attr_t (ucp.h, UCX >= 1.13): uint64 field_mask, char name[32], struct sockaddr_storage
 # local_sockaddr, then remote_sockaddr; a generous buffer covers the fields after it.
+_UCP_EP_ATTR_LOCAL_OFFSET: Final = 8 + 32
 _UCP_EP_ATTR_REMOTE_OFFSET: Final = 8 + 32 + 128
 _UCP_EP_ATTR_BYTES: Final = 1024
 
 
-def _remote_of(endpoint: Any) -> tuple[str, int] | None:
-    """The peer address of a listener-accepted ucxx endpoint's connection (ucp_ep_query); None if
-    UCX cannot tell."""
+def _addresses_of(endpoint: Any) -> tuple[tuple[str, int] | None, tuple[str, int] | None]:
+    """``(local, peer)`` addresses of a listener-accepted ucxx endpoint's connection
+    (ucp_ep_query); ``(None, None)`` if UCX cannot tell."""
     lib = _ucp_library()
     if lib is None:
-        return None
+        return None, None
     attr = (ctypes.c_char * _UCP_EP_ATTR_BYTES)()
-    ctypes.c_uint64.from_buffer(attr).value = _UCP_EP_ATTR_FIELD_REMOTE_SOCKADDR
+    ctypes.c_uint64.from_buffer(attr).value = _UCP_EP_ATTR_FIELD_LOCAL_SOCKADDR | _UCP_EP_ATTR_FIELD_REMOTE_SOCKADDR
     try:
         status = lib.ucp_ep_query(ctypes.c_void_p(int(endpoint.ucp_endpoint)), attr)
     except Exception:  # noqa: BLE001 - an endpoint already gone: nothing to protect
-        return None
+        return None, None
     if status != 0:
-        return None
-    return _sockaddr(ctypes.addressof(attr) + _UCP_EP_ATTR_REMOTE_OFFSET)
+        return None, None
+    base = ctypes.addressof(attr)
+    return _sockaddr(base + _UCP_EP_ATTR_LOCAL_OFFSET), _sockaddr(base + _UCP_EP_ATTR_REMOTE_OFFSET)
 
 
 class _Connection(NamedTuple):
@@ -784,27 +808,29 @@ class DataPlane:
                 self._refusals("listing", "data plane: cannot list the connections to port %d: %r",
                                self.port, exc)
                 continue
-            remotes = [link.remote for link in self._links if link.session_id is not None]
-            remotes += self._handshaking.values()
-            if None in remotes:
+            links = [link.remote for link in self._links if link.session_id is not None]
+            unnamed_link = None in links
+            if unnamed_link:
                 # UCX did not name some link's connection: closing by age could cut that link.
                 self._refusals("unnamed", "data plane: a link's connection is unknown to UCX; "
                                "connections to port %d are not closed by age meanwhile", self.port)
-            proven = set(remotes)
+            proven = {remote for remote in (*links, *self._handshaking.values()) if remote is not None}
             now = time.monotonic()
             unproven: list[tuple[float, _Connection]] = []
             for connection in connections:
-                if connection.remote in proven or connection.inode in shut:
+                if connection.inode in shut:
                     continue
                 if self._addresses and connection.local[0] not in self._addresses:
+                    # Before anything else: a token does not make another interface acceptable.
                     self._refuse(connection, shut, "arrived on %s, not on the configured host %s",
                                  connection.local[0], self.host)
                     continue
-                unproven.append((first_seen.setdefault(connection.inode, now), connection))
+                if connection.remote not in proven:
+                    unproven.append((first_seen.setdefault(connection.inode, now), connection))
             unproven.sort(key=lambda item: item[0])
             excess = len(unproven) - MAX_UNPROVEN_CONNECTIONS
             for i, (seen, connection) in enumerate(unproven):
-                if None in proven:
+                if unnamed_link:
                     break
                 if i < excess:
                     self._refuse(connection, shut, "was one of more than %d unproven connections",
@@ -831,7 +857,13 @@ class DataPlane:
         if self._closing:
             endpoint.abort()
             return
-        remote = _remote_of(endpoint)
+        local, remote = _addresses_of(endpoint)
+        if self._addresses and local is not None and local[0] not in self._addresses:
+            endpoint.abort()
+            self._refused += 1
+            self._refusals("interface", "data plane: closed an endpoint from %s that arrived on %s, "
+                           "not on the configured host %s", remote, local[0], self.host)
+            return
         self._handshaking[endpoint] = remote
         self._in_flight += 1
         try:

@@ -84,7 +84,7 @@ BACKOFF_FIRST_S, BACKOFF_MAX_S = 1.0, 60.0
 #: Period of the housekeeping task (timeouts are checked this often).
 HOUSEKEEPING_S = 0.2
 #: Producer, per consumer session: request ids looked up or fetched and not finished, at most.
-MAX_REQUESTS_PER_SESSION = 1024
+MAX_REQUESTS_PER_SESSION = 4096
 #: Producer, per consumer session: looked-up keys waiting for their answer, at most.
 MAX_PENDING_LOOKUP_KEYS = 4 * p.MAX_KEYS_PER_MESSAGE
 #: Producer, per consumer session: fetches waiting for their chunks or sending them, at most.
@@ -800,6 +800,11 @@ class P2PTier(SecondaryTier):
                 self._arrived.pop(rid, None)  # nobody waits for its stores any more
             if rid in served.requests:
                 served.requests[rid] = time.monotonic()  # idle from now on
+                if not self._serving.get(rid) and rid not in self._parked and rid not in served.lookups:
+                    # Nothing held for it any more: it no longer counts against the session.
+                    served.requests.pop(rid)
+                    if self._bound.get(rid) == served.peer_id:
+                        del self._bound[rid]
 
     async def _serve_fetch(self, served: _Served, msg: p.Fetch, scope: anyio.CancelScope) -> None:
         rid, round_seq = msg.kv_request_id, msg.round_seq
@@ -851,6 +856,8 @@ class P2PTier(SecondaryTier):
                         later = self._release_after.pop(rid, None)
                         if later is not None:
                             self._release(rid, *later)
+                        elif rid in self._parked:
+                            self._finish_sent(rid)  # jobs another round emptied meanwhile
         served.fetching.pop((rid, round_seq), None)
         if self._served.get(served.peer_id) is not served:
             return
@@ -889,10 +896,17 @@ class P2PTier(SecondaryTier):
         return sources
 
     def _mark_sent(self, rid: str, sent: set[bytes]) -> None:
-        """Parked jobs all of whose chunks were sent are done (their pins are released)."""
-        remaining: list[_Parked] = []
+        """Parked jobs all of whose chunks were sent are done (their pins are released) — once no
+        fetch of ``rid`` is still sending: another round may be reading the same slots."""
         for parked in self._parked.get(rid, []):
             parked.unsent -= sent
+        self._finish_sent(rid)
+
+    def _finish_sent(self, rid: str) -> None:
+        if self._sending.get(rid):
+            return  # the last sender of rid calls this again
+        remaining: list[_Parked] = []
+        for parked in self._parked.get(rid, []):
             if parked.unsent:
                 remaining.append(parked)
             else:
@@ -937,8 +951,8 @@ class P2PTier(SecondaryTier):
         if served is None:
             return
         rid = msg.kv_request_id
-        if not self._admit_request(served, rid):
-            self._answer_miss(served, rid, msg.keys)
+        if rid in self._reaped or not self._admit_request(served, rid):
+            self._answer_miss(served, rid, msg.keys)  # a reaped id is refused, as its fetches are
             return
         room = MAX_PENDING_LOOKUP_KEYS - served.pending_keys
         if room < len(msg.keys):
@@ -975,7 +989,11 @@ class P2PTier(SecondaryTier):
         now = time.monotonic()
         for served in list(self._served.values()):
             for rid, state in list(served.lookups.items()):
-                if not state.queue:
+                # An answer below can find the session dead (its queue full): it was reaped then,
+                # and nothing may be pinned for it any more.
+                if self._served.get(served.peer_id) is not served:
+                    break
+                if served.lookups.get(rid) is not state or not state.queue:
                     continue
                 if not state.started:
                     parent.on_new_request(state.ctx)
@@ -1003,8 +1021,8 @@ class P2PTier(SecondaryTier):
                   keys: list[bytes], hits: list[bool]) -> None:
         """Pin the chunks found for a peer's lookup (they are served like a remote_decoder
         request's), within the pin bounds; a hit over them is answered MISS (in place)."""
-        if self._bound.get(rid, served.peer_id) != served.peer_id:
-            hits[:] = [False] * len(hits)  # another consumer's request id: never share its pins
+        if self._bound.get(rid, served.peer_id) != served.peer_id or rid in self._reaped:
+            hits[:] = [False] * len(hits)  # another consumer's request id, or one given up on
             return
         held = self._sources(rid, dict.fromkeys(k for k, h in zip(keys, hits) if h)) if rid in self._parked else {}
         slots = self._num_slots()
@@ -1016,6 +1034,7 @@ class P2PTier(SecondaryTier):
                 continue  # already pinned for this id by an earlier lookup: no second pin
             if len(new) < room:
                 new.append(key)
+                held[key] = -1
             else:
                 hits[i] = False
                 refused += 1
@@ -1045,8 +1064,8 @@ class P2PTier(SecondaryTier):
         (failed with ``reason``) and the id reaped; its lookups end."""
         served.requests.pop(rid, None)
         if self._bound.get(rid) == served.peer_id:
+            self._release(rid, False, reason)  # while still bound: it finds the fetches to cancel
             del self._bound[rid]
-            self._release(rid, False, reason)
             # Its consumer is gone or gave up: late stores fail instead of parking.
             self._reaped[rid] = time.monotonic() + REAPED_ID_RETENTION_S
             self._reaped.move_to_end(rid)
@@ -1129,7 +1148,9 @@ class P2PTier(SecondaryTier):
                     self._client_died(peer, "idle")
             for served in list(self._served.values()):
                 for rid, touched in list(served.requests.items()):
-                    if now - touched > self.unbound_store_timeout_s and not self._serving.get(rid):
+                    state = served.lookups.get(rid)
+                    if now - touched > self.unbound_store_timeout_s and not self._serving.get(rid) \
+                            and not (state is not None and state.queue):
                         if rid in self._parked and self._bound.get(rid) == served.peer_id:
                             logger.warning("tier %s: consumer %s left request %s idle for %.0f s; "
                                            "releasing what it pinned", self.label, served.peer_id, rid,
@@ -1144,6 +1165,7 @@ class P2PTier(SecondaryTier):
                                    self.label, rid, self.unbound_store_timeout_s)
                     self._release(rid, False, "unbound_timeout")
                     self._reaped[rid] = now + REAPED_ID_RETENTION_S
+                    self._reaped.move_to_end(rid)
                     self.m_reaped.inc()
             for expiring in (self._reaped, self._failed):
                 while expiring and next(iter(expiring.values())) < now:
