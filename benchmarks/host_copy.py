@@ -7,7 +7,7 @@ cross-layer layout (one contiguous copy per run of blocks) with device blocks in
 scattered (random block table), and the per-layer layout (one copy per layer per run).
 
 ``--device cuda``: the CUDA engine's GiB/s per direction instead (no ratio: the baseline is a
-host memcpy), used by ``scripts/gpu_check.py``.
+host memcpy); ``scripts/gpu_check.py`` measures the engine against a raw ``copy_`` instead.
 
 Last line: the host tier's lookup cost for a 1,000-chunk prefix of host hits (µs per key).
 

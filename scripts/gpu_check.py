@@ -1,72 +1,405 @@
-"""GPU acceptance check: the CUDA-only tests, then the CUDA copy bandwidth, in one summary.
+"""GPU acceptance check of kvtier's CUDA path: prints PASS/FAIL per check and writes JSON.
 
-Runs ``pytest -m gpu`` and ``benchmarks/host_copy.py --device cuda`` (GiB/s per direction for
-2 MiB and 16 MiB chunks, cross-layer and per-layer device layouts). Exits non-zero when CUDA is
-absent, when a GPU test fails, or when the benchmark fails.
+Runs on a bare accelerator image: it needs torch with CUDA, numpy and kvtier's own dependencies
+(``pip install -e .``), not the test extras, and collects no tests. On one GPU it takes a few
+minutes (``--quick`` less).
 
-    python scripts/gpu_check.py [--total 256M] [--repeats 5]
+    python scripts/gpu_check.py [--out gpu_check.json] [--quick]
+
+Checks (each is one JSON record: name, passed, and what was measured):
+
+* ``ordering[open|thread, default|side]`` — on the caller's stream (the default stream, or a side
+  stream made current), a spin kernel and then a write of the KV are still pending when ``store``
+  is called: the host must get the written bytes, not stale ones. Then, behind another spin, the
+  caller's stream still has a write of the load's target blocks pending when ``load`` is called:
+  the load must land after it, and a kernel enqueued after ``load`` returns must read the loaded
+  bytes. Under ``kvtier.open`` and under ``kvtier.start_in_thread`` (calls from another thread
+  than the engine's loop).
+* ``issue_not_blocked[tp1|tp8]`` — issuing a store whose copies must wait behind a 200 ms spin on
+  the caller's stream returns long before the spin ends (the issuing thread never waits for the
+  model's compute); TP 8 is one rank of eight (its heads strided in the host page).
+* ``completion_latency`` — a one-chunk store observed complete vs a raw ``copy_`` +
+  ``synchronize()`` of the same bytes (medians): within 50 µs.
+* ``bandwidth[layout, chunk, tp, direction]`` — GiB/s of many chunks copied by the engine vs one
+  raw ``copy_`` of the same bytes between pinned host memory and the device, ≥ 0.9 for ≥ 2 MiB
+  chunks; every round trip byte-checked. ``bandwidth_gil`` repeats one row beside a busy Python
+  thread.
+* ``layerwise`` — the gaps between the groups of a 32-layer layer-wise load, and an early exit
+  (leaving after the first group) that ends without a hang and leaves nothing pinned.
+* ``pinned_growth`` — the host's pinned memory (``VmPin``, else ``VmLck``) grows by exactly the
+  slot buffer's bytes for an odd size, and shrinks back at close.
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
+import json
+import os
+import statistics
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
+
+import anyio  # noqa: E402
+import torch  # noqa: E402
+
+import kvtier  # noqa: E402
+from kvtier import KVGeometry  # noqa: E402
+from kvtier.tiers.copy_engine import CopyJob, CudaCopyEngine  # noqa: E402
+from kvtier.tiers.slots import SlotBuffer  # noqa: E402
+
+MIB = 1 << 20
+GIB = 1 << 30
+Record = dict[str, Any]
 
 
-def run(cmd: list[str], timeout: float) -> tuple[int, str]:
-    """Run ``cmd`` in the repository root; (exit status, combined output), echoing the output."""
+def spin(seconds: float) -> None:
+    """Enqueue a kernel that keeps the current stream busy for about ``seconds``."""
+    torch.cuda._sleep(int(seconds * _cycles_per_second()))
+
+
+_CYCLES: list[float] = []
+
+
+def _cycles_per_second() -> float:
+    if not _CYCLES:  # calibrate once: cycles of torch.cuda._sleep per second on this GPU
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        _CYCLES.append(10_000_000 / (start.elapsed_time(end) / 1000))
+    return _CYCLES[0]
+
+
+def geometry(layers: int = 2, heads: int = 8, tp: int = 1, block: int = 16) -> KVGeometry:
+    return KVGeometry("gpu-check", num_layers=layers, num_kv_heads=heads, head_dim=128, dtype="float16",
+                      block_size=block, tp_size=tp)
+
+
+def per_layer_kv(geo: KVGeometry, blocks: int) -> list[torch.Tensor]:
+    heads = geo.num_kv_heads // geo.tp_size
+    return [torch.zeros((blocks, 2, geo.block_size, heads, geo.head_dim), dtype=torch.float16, device="cuda")
+            for _ in range(geo.num_layers)]
+
+
+def cross_layer_kv(geo: KVGeometry, blocks: int) -> torch.Tensor:
+    heads = geo.num_kv_heads // geo.tp_size
+    return torch.zeros((blocks, geo.num_layers, 2, geo.block_size, heads, geo.head_dim), dtype=torch.float16,
+                       device="cuda")
+
+
+def engine_config(geo: KVGeometry, slots: int, bpc: int = 1) -> dict[str, Any]:
+    return {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": slots * geo.slot_bytes(bpc),
+            "blocks_per_chunk": bpc}
+
+
+# --- ordering ---------------------------------------------------------------------------------------
+
+
+def _ordering_case(kind: str, stream_name: str) -> Record:
+    geo = geometry()
+    kv = per_layer_kv(geo, 32)
+    tokens = list(range(4 * geo.block_size))
+    source, target = [0, 1, 2, 3], [8, 9, 10, 11]
+    stream = torch.cuda.current_stream() if stream_name == "default" else torch.cuda.Stream()
+    outcome: Record = {}
+
+    def write(blocks: list[int], value: float) -> None:
+        spin(0.1)  # the caller's compute: the write behind it is pending when kvtier is called
+        for layer in kv:
+            layer[blocks].fill_(value)
+
+    def check(seen: list[torch.Tensor]) -> None:
+        stream.synchronize()
+        outcome["store_ok"] = outcome["stored"] == len(tokens)
+        outcome["load_ok"] = outcome["loaded"] == len(tokens) and all(bool((s == 7.0).all()) for s in seen)
+
+    if kind == "thread":  # the facade's calls run on its loop thread, not this one
+        engine = kvtier.start_in_thread(engine_config(geo, 8), geo, kv)
+        try:
+            with torch.cuda.stream(stream):
+                write(source, 7.0)
+                outcome["stored"] = engine.store(tokens, source)
+                write(target, -1.0)
+                outcome["loaded"] = engine.load(tokens, target)
+                seen = [layer[target].clone() for layer in kv]  # enqueued after load returned
+        finally:
+            engine.close()
+        check(seen)
+    else:
+        async def main() -> list[torch.Tensor]:
+            async with kvtier.open(engine_config(geo, 8), geo, kv) as engine:
+                with torch.cuda.stream(stream):
+                    write(source, 7.0)
+                    outcome["stored"] = await engine.store(tokens, source)
+                    write(target, -1.0)
+                    outcome["loaded"] = await engine.load(tokens, target)
+                    return [layer[target].clone() for layer in kv]
+
+        check(anyio.run(main, backend="asyncio"))
+    return {"name": f"ordering[{kind}, {stream_name}]", "passed": outcome["store_ok"] and outcome["load_ok"],
+            **outcome}
+
+
+# --- issuing, latency, bandwidth -----------------------------------------------------------------
+
+
+class Harness:
+    """A CUDA copy engine with its own pinned buffer; :meth:`run_jobs` runs a fresh engine per call
+    (``run`` is once per engine) on a private event loop."""
+
+    def __init__(self, geo: KVGeometry, kv: Any, slots: int, bpc: int, tp_rank: int = 0) -> None:
+        self.geo, self.kv, self.bpc, self.tp_rank = geo, kv, bpc, tp_rank
+        self.buffer = SlotBuffer(slots, geo.slot_bytes(bpc), pin_memory=True)
+
+    def engine(self) -> CudaCopyEngine:
+        return CudaCopyEngine(self.kv, self.geo, self.bpc, self.buffer, self.tp_rank)
+
+    def close(self) -> None:
+        torch.cuda.synchronize()
+        self.buffer.close()
+
+    def run_jobs(self, jobs: list[CopyJob]) -> tuple[float, list[Any]]:
+        """Submit ``jobs`` at once; (seconds until the last result, the results)."""
+        engine = self.engine()
+
+        async def main() -> tuple[float, list[Any]]:
+            results: list[Any] = []
+            arrived = anyio.Event()
+
+            def wake() -> None:
+                results.extend(engine.get_finished())
+                if len(results) >= len(jobs):
+                    arrived.set()
+
+            engine.set_wakeup(wake)
+            async with anyio.create_task_group() as tg:
+                await tg.start(engine.run)
+                started = time.perf_counter()
+                for job in jobs:
+                    engine.submit(job)
+                with anyio.fail_after(120):
+                    await arrived.wait()
+                elapsed = time.perf_counter() - started
+                await engine.aclose()
+            return elapsed, results
+
+        return anyio.run(main, backend="asyncio")
+
+
+def issue_not_blocked(tp: int) -> Record:
+    geo = geometry(layers=32, heads=8, tp=tp)
+    kv = per_layer_kv(geo, 64)
+    harness = Harness(geo, kv, 8, 1, tp_rank=min(3, tp - 1))
+    engine = harness.engine()
     try:
-        proc = subprocess.run(
-            cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
-        )
-    except subprocess.TimeoutExpired as exc:
-        out = exc.stdout or ""
-        return 124, out if isinstance(out, str) else out.decode(errors="replace")
-    print(proc.stdout, end="")
-    return proc.returncode, proc.stdout
+        spin(0.2)  # the caller's compute, still running when the store is issued
+        order = engine.capture_order()
+        job = CopyJob(1, "to_host", list(range(8)), list(range(8)), order=order)
+        started = time.perf_counter()
+        issued = engine._issue(job, order.ready)
+        issue_s = time.perf_counter() - started
+        issued.done.synchronize()
+        spin_left = issue_s < 0.1
+    finally:
+        anyio.run(engine.aclose, backend="asyncio")
+        harness.close()
+    return {"name": f"issue_not_blocked[tp{tp}]", "passed": spin_left, "issue_ms": issue_s * 1000,
+            "spin_ms": 200}
+
+
+def completion_latency(repeats: int) -> Record:
+    geo = geometry(layers=1, heads=2, block=16)
+    kv = per_layer_kv(geo, 8)
+    harness = Harness(geo, kv, 4, 1)
+    try:
+        engine_times = []
+        for i in range(repeats):
+            elapsed, results = harness.run_jobs([CopyJob(i, "to_host", [0], [1])])
+            assert results[0].success, results[0]
+            engine_times.append(elapsed)
+        host = harness.buffer.tensor[0, : kv[0][1].numel() * 2].view(torch.float16).view(kv[0][1].shape)
+        raw_times = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            host.copy_(kv[0][1], non_blocking=True)
+            torch.cuda.synchronize()
+            raw_times.append(time.perf_counter() - started)
+    finally:
+        harness.close()
+    engine_us, raw_us = statistics.median(engine_times) * 1e6, statistics.median(raw_times) * 1e6
+    return {"name": "completion_latency", "passed": engine_us - raw_us <= 50.0, "engine_us": engine_us,
+            "raw_us": raw_us, "chunk_bytes": geo.slot_bytes(1)}
+
+
+def _bandwidth_case(layout: str, chunk_mib: int, tp: int, total_mib: int, busy_thread: bool = False) -> list[Record]:
+    # 32 layers × 16 tokens × 128 dims × 2 bytes × K/V = 256 KiB per head per block.
+    heads = 8
+    bpc = max(1, chunk_mib * MIB // (32 * 2 * 16 * heads * 128 * 2))
+    geo = geometry(layers=32, heads=heads, tp=tp)
+    chunks = max(1, total_mib // chunk_mib)
+    blocks = chunks * bpc
+    kv = cross_layer_kv(geo, 2 * blocks) if layout == "cross_layer" else per_layer_kv(geo, 2 * blocks)
+    tensors = [kv] if layout == "cross_layer" else kv
+    for t in tensors:
+        t.copy_(torch.randn(t.shape, device="cuda", dtype=torch.float16))
+    rank = min(3, tp - 1)
+    harness = Harness(geo, kv, chunks, bpc, tp_rank=rank)
+    rank_bytes = sum(t.numel() * t.element_size() for t in tensors) // 2  # one half: the chunks' blocks
+    stop = threading.Event()
+
+    def python_busy() -> None:  # a thread that wants the GIL all the time (a scheduler, a tokenizer)
+        count = 0
+        while not stop.is_set():
+            count += 1
+
+    busy = threading.Thread(target=python_busy, daemon=True)
+    records: list[Record] = []
+    try:
+        if busy_thread:
+            busy.start()
+        slots = list(range(chunks))
+        store_s, results = harness.run_jobs(
+            [CopyJob(i, "to_host", [i], list(range(i * bpc, (i + 1) * bpc))) for i in slots])
+        ok = all(r.success for r in results)
+        load_s, results = harness.run_jobs(
+            [CopyJob(chunks + i, "to_device", [i], list(range(blocks + i * bpc, blocks + (i + 1) * bpc)))
+             for i in slots])
+        ok = ok and all(r.success for r in results)
+        torch.cuda.synchronize()
+        same = all(torch.equal(t[:blocks], t[blocks: 2 * blocks]) for t in tensors)
+        host = torch.empty(rank_bytes, dtype=torch.uint8, pin_memory=True)
+        device = torch.empty(rank_bytes, dtype=torch.uint8, device="cuda")
+        raw = {}
+        for direction, (dst, src) in {"to_host": (host, device), "to_device": (device, host)}.items():
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            raw[direction] = time.perf_counter() - started
+    finally:
+        stop.set()
+        harness.close()
+    for direction, seconds in (("to_host", store_s), ("to_device", load_s)):
+        gibps, raw_gibps = rank_bytes / seconds / GIB, rank_bytes / raw[direction] / GIB
+        ratio = gibps / raw_gibps
+        name = f"bandwidth[{layout}, {chunk_mib} MiB, tp{tp}, {direction}]" + (" beside a busy thread" if busy_thread else "")
+        records.append({"name": name, "passed": ok and same and (ratio >= 0.9 or busy_thread),
+                        "gibps": gibps, "raw_gibps": raw_gibps, "ratio": ratio, "bytes_checked": same})
+    return records
+
+
+# --- layer-wise, pinned memory -------------------------------------------------------------------
+
+
+def layerwise() -> Record:
+    geo = geometry(layers=32, heads=8)
+    kv = per_layer_kv(geo, 64)
+    for layer in kv:
+        layer.normal_()
+    tokens = list(range(16 * geo.block_size))
+    blocks = list(range(16))
+    gaps: list[float] = []
+
+    async def main() -> tuple[int, int]:
+        async with kvtier.open(engine_config(geo, 32), geo, kv) as engine:
+            await engine.store(tokens, blocks)
+            last = time.perf_counter()
+            async with engine.load_layerwise(tokens, list(range(16, 32))) as layers:
+                async for _group in layers:
+                    now = time.perf_counter()
+                    gaps.append(now - last)
+                    last = now
+            async with engine.load_layerwise(tokens, list(range(32, 48))) as layers:
+                async for _group in layers:
+                    break  # early exit: the rest is withdrawn or waited for, then unpinned
+            return len(gaps), engine.manager.host.statistics().pinned_slots
+
+    groups, pinned = anyio.run(main, backend="asyncio")
+    torch.cuda.synchronize()
+    same = all(torch.equal(layer[:16], layer[16:32]) for layer in kv)
+    return {"name": "layerwise", "passed": groups == 32 and pinned == 0 and same,
+            "groups": groups, "median_gap_us": statistics.median(gaps[1:]) * 1e6 if len(gaps) > 1 else None,
+            "max_gap_us": max(gaps[1:]) * 1e6 if len(gaps) > 1 else None, "pinned_after_early_exit": pinned,
+            "bytes_checked": same}
+
+
+def _pinned_kib() -> int | None:
+    fields = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            fields[key] = value.split()
+    for key in ("VmPin", "VmLck"):
+        if key in fields:
+            return int(fields[key][0])
+    return None
+
+
+def pinned_growth() -> Record:
+    slot = 2 * MIB + 4096  # an odd size: a power-of-two allocator would round 3 slots to 8 MiB
+    before = _pinned_kib()
+    buffer = SlotBuffer(3, slot, pin_memory=True)
+    during = _pinned_kib()
+    buffer.close()
+    after = _pinned_kib()
+    if before is None or during is None or after is None:
+        return {"name": "pinned_growth", "passed": False, "why": "no VmPin/VmLck in /proc/self/status"}
+    grown = (during - before) * 1024
+    return {"name": "pinned_growth", "passed": grown == 3 * slot and after == before,
+            "configured_bytes": 3 * slot, "pinned_growth_bytes": grown, "released_bytes": (during - after) * 1024}
+
+
+# --- main -------------------------------------------------------------------------------------------
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--total", default="256M", help="bytes per direction per repeat")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "gpu_check.json"))
+    parser.add_argument("--quick", action="store_true", help="fewer repeats and bytes")
     args = parser.parse_args()
-
-    import torch
-
     if not torch.cuda.is_available():
         print("gpu_check: CUDA is not available (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
-    device = torch.cuda.get_device_name(0)
-
-    test_rc, test_out = run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"], 600)
-    bench_rc, bench_out = run(
-        [
-            sys.executable, "benchmarks/host_copy.py", "--device", "cuda", "--sizes", "2M,16M",
-            "--total", args.total, "--repeats", str(args.repeats),
-        ],
-        600,
-    )
-
-    test_summary = next(
-        (line for line in reversed(test_out.splitlines()) if " passed" in line or " failed" in line or "error" in line),
-        f"pytest exited {test_rc}",
-    )
-    print("\n=== gpu_check summary ===")
-    print(f"device: {device}, torch {torch.__version__}, CUDA {torch.version.cuda}")
-    print(f"gpu tests: {'OK' if test_rc == 0 else 'FAILED'} ({test_summary.strip()})")
-    if bench_rc == 0:
-        table = [line for line in bench_out.splitlines() if line.strip()]
-        print("copy bandwidth (GiB/s):")
-        for line in table:
-            print(f"  {line}")
-    else:
-        print(f"copy bandwidth: FAILED (exit {bench_rc})")
-    return 0 if test_rc == 0 and bench_rc == 0 else 1
+    total_mib = 256 if args.quick else 1024
+    checks: list[Callable[[], Record | list[Record]]] = [
+        lambda: [_ordering_case(kind, stream) for kind in ("open", "thread") for stream in ("default", "side")],
+        lambda: [issue_not_blocked(1), issue_not_blocked(8)],
+        lambda: completion_latency(20 if args.quick else 100),
+        lambda: [r for layout in ("cross_layer", "per_layer") for chunk in (2, 16)
+                 for r in _bandwidth_case(layout, chunk, 1, total_mib)]
+        + [r for layout in ("cross_layer", "per_layer") for r in _bandwidth_case(layout, 2, 8, total_mib)],
+        lambda: _bandwidth_case("per_layer", 2, 1, total_mib, busy_thread=True),
+        layerwise,
+        pinned_growth,
+    ]
+    records: list[Record] = []
+    for check in checks:
+        started = time.perf_counter()
+        try:
+            got = check()
+        except Exception as exc:  # noqa: BLE001 - a crashed check is a FAIL with its reason
+            got = {"name": getattr(check, "__name__", "check"), "passed": False, "error": repr(exc)}
+        for record in got if isinstance(got, list) else [got]:
+            record["seconds"] = round(time.perf_counter() - started, 3)
+            records.append(record)
+            shown = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in record.items()
+                     if k not in ("name", "passed")}
+            print(f"{'PASS' if record['passed'] else 'FAIL'}  {record['name']}  {shown}", flush=True)
+    summary = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+               "passed": sum(r["passed"] for r in records), "failed": sum(not r["passed"] for r in records),
+               "checks": records}
+    Path(args.out).write_text(json.dumps(summary, indent=2))
+    print(f"{summary['passed']} passed, {summary['failed']} failed")
+    return 0 if not summary["failed"] else 1
 
 
 if __name__ == "__main__":
