@@ -428,3 +428,65 @@ async def test_cuda_two_tp_ranks_match_the_cpu_engine(cross_layer: bool) -> None
     assert torch.equal(cpu_buffer.tensor[1], cuda_buffer.tensor[1])
     cpu_buffer.close()
     cuda_buffer.close()
+
+
+@pytest.mark.parametrize(("bpc", "layers"), [(1, None), (3, None), (1, (1, 3)), (1, (0, 1))])
+def test_gathered_copies_move_the_same_bytes_as_page_copies(bpc: int, layers: tuple[int, int] | None) -> None:
+    """The CUDA engine's per-layer path gathers pages on the device and copies each chunk in one
+    DMA (kvtier.tiers.copy_engine._copy_gathered); on CPU tensors it must produce exactly the
+    bytes of the page-by-page copies it replaces, both ways, blocks in any order."""
+    import numpy as np
+
+    from kvtier.tiers.copy_engine import CopyJob, _copy_gathered, _copy_pairs, _CopyPlan
+    from kvtier.tiers.slots import SlotBuffer
+
+    geo = KVGeometry("test/gather", num_layers=4, num_kv_heads=2, head_dim=8, dtype="float16", block_size=4)
+    gen = torch.Generator().manual_seed(bpc)
+    source = [torch.randn((24, 2, 4, 2, 8), generator=gen).half() for _ in range(4)]
+    blocks = [7, 2, 11, 5, 9, 0][: 2 * bpc]
+    job = CopyJob(1, "to_host", [3, 1], blocks, layers=layers)
+    outcomes = []
+    for copy in (_copy_pairs, _copy_gathered):
+        buffer = SlotBuffer(4, geo.slot_bytes(bpc), pin_memory=False)
+        target = [torch.zeros_like(t) for t in source]
+        try:
+            plan = _CopyPlan(source, geo, bpc, buffer, 0)
+            assert plan.gathers(job)
+            copy(plan, job)
+            back = _CopyPlan(target, geo, bpc, buffer, 0)
+            load = CopyJob(2, "to_device", [3, 1], list(reversed(blocks)), layers=layers)
+            copy(back, load)
+            outcomes.append((buffer.array.copy(), [t.clone() for t in target]))
+        finally:
+            buffer.close()
+    (host_pages, loaded_pages), (host_gathered, loaded_gathered) = outcomes
+    assert np.array_equal(host_pages, host_gathered)
+    assert all(torch.equal(a, b) for a, b in zip(loaded_pages, loaded_gathered))
+    assert host_gathered.any()  # something was copied
+
+
+def test_only_contiguous_per_layer_jobs_are_gathered() -> None:
+    from kvtier.tiers.copy_engine import CopyJob, _CopyPlan
+    from kvtier.tiers.slots import SlotBuffer
+
+    def plan(tp: int, bpc: int, cross_layer: bool = False) -> _CopyPlan:
+        geo = KVGeometry("test/gather", num_layers=4, num_kv_heads=2, head_dim=8, dtype="float16",
+                         block_size=4, tp_size=tp)
+        heads = 2 // tp
+        kv: torch.Tensor | list[torch.Tensor] = (
+            torch.zeros((8, 4, 2, 4, heads, 8), dtype=torch.float16) if cross_layer
+            else [torch.zeros((8, 2, 4, heads, 8), dtype=torch.float16) for _ in range(4)])
+        buffer = SlotBuffer(2, geo.slot_bytes(bpc), pin_memory=False)
+        buffers.append(buffer)
+        return _CopyPlan(kv, geo, bpc, buffer, 0)
+
+    buffers: list[SlotBuffer] = []
+    whole, group = CopyJob(1, "to_host", [0], [0, 1]), CopyJob(1, "to_host", [0], [0, 1], layers=(1, 2))
+    try:
+        assert plan(1, 2).gathers(whole)
+        assert not plan(1, 2).gathers(group)  # strided in a two-block slot: page copies
+        assert not plan(2, 2).gathers(whole)  # TP 2: a rank's heads are strided in the host page
+        assert not plan(1, 2, cross_layer=True).gathers(whole)  # already one copy per run of blocks
+    finally:
+        for buffer in buffers:
+            buffer.close()

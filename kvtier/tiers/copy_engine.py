@@ -243,6 +243,8 @@ class _CopyPlan:
         self.host = full.as_strided(shape, strides)[..., head_start : head_start + heads, :]
         # Bytes this rank moves per chunk (its head share of every page).
         self.rank_chunk_bytes = blocks_per_chunk * self.num_layers * two * block_size * heads * head_dim * itemsize
+        #: This rank holds every head: its part of a host page is the whole page (contiguous).
+        self.whole_pages = heads == all_heads
 
     def validate(self, job: CopyJob) -> str | None:
         """Why ``job`` cannot run, or ``None`` when it is well formed."""
@@ -273,6 +275,12 @@ class _CopyPlan:
         """Bytes this rank moves for ``job`` (its head share of the pages of the job's layers)."""
         start, stop = self.layer_range(job)
         return self.rank_chunk_bytes // self.num_layers * (stop - start) * len(job.slot_ids)
+
+    def gathers(self, job: CopyJob) -> bool:
+        """Whether :func:`_copy_gathered` can move ``job``: the per-layer layout at TP 1, with every
+        chunk's part of the host slot contiguous (all layers, or one block per chunk)."""
+        return (not self.cross_layer and self.whole_pages
+                and (job.layers is None or self.bpc == 1 or self.layer_range(job) == (0, self.num_layers)))
 
     def pairs(
         self,
@@ -549,6 +557,40 @@ def _copy_pairs(plan: _CopyPlan, job: CopyJob, non_blocking: bool = False) -> in
     return plan.job_bytes(job)
 
 
+def _copy_gathered(plan: _CopyPlan, job: CopyJob, non_blocking: bool = False) -> int:
+    """Move a per-layer job (:meth:`_CopyPlan.gathers`) in one contiguous copy per chunk.
+
+    The job's pages are gathered on the device into a scratch laid out as the host slots are
+    (``[chunks, bpc, layers, page]``): one ``index_select`` per layer and a ``stack`` into the
+    scratch for a store, one ``index_copy_`` per layer out of it for a load. Between the scratch
+    and each host slot there is then a single contiguous DMA, instead of one small copy per page
+    (``bpc × layers`` Python calls per chunk). Device kernels are queued on the current stream
+    (the copy stream), so the scratch is reused only after them. Works on CPU tensors as well
+    (how it is tested). Returns the bytes this rank moves.
+    """
+    first, stop = plan.layer_range(job)
+    blocks = torch.as_tensor(list(job.block_ids), dtype=torch.long)
+    if plan.device.type == "cuda":
+        # From pinned memory, asynchronously: a pageable copy would make this thread wait for the
+        # copy stream, which may itself wait behind the caller's compute.
+        blocks = blocks.pin_memory().to(plan.device, non_blocking=non_blocking)
+    layers = plan.device_kv[first:stop]
+    chunks = len(job.slot_ids)
+    shape = (chunks, plan.bpc, stop - first, *layers[0].shape[1:])
+    if job.direction == "to_host":
+        scratch = torch.stack([layer.index_select(0, blocks) for layer in layers], dim=1).view(shape)
+        for i, slot in enumerate(job.slot_ids):
+            plan.host[slot][:, first:stop].copy_(scratch[i], non_blocking=non_blocking)
+    else:
+        scratch = torch.empty(shape, dtype=layers[0].dtype, device=plan.device)
+        for i, slot in enumerate(job.slot_ids):
+            scratch[i].copy_(plan.host[slot][:, first:stop], non_blocking=non_blocking)
+        flat = scratch.view(chunks * plan.bpc, stop - first, *layers[0].shape[1:])
+        for offset, layer in enumerate(layers):
+            layer.index_copy_(0, blocks, flat[:, offset])
+    return plan.job_bytes(job)
+
+
 def _copy_pairs_numpy(plan: _CopyPlan, job: CopyJob, host: np.ndarray, device_kv: Sequence[np.ndarray]) -> int:
     """CPU variant of :func:`_copy_pairs`: ``numpy.copyto`` between byte views of the same memory.
 
@@ -749,9 +791,11 @@ class CudaCopyEngine(CopyEngine):
     not release the host buffer (``kvtier.Engine`` then keeps it, and says so).
 
     Copy granularity: cross-layer at TP 1 copies each run of consecutive blocks in one DMA;
-    per-layer copies one page (block × layer) at a time so both sides stay contiguous. At TP > 1
-    a rank's heads are strided inside each host page, which torch stages through a temporary
-    (correct, but the issuing thread waits for that copy); a 2-D DMA would remove the staging.
+    per-layer at TP 1 gathers the job's pages on the device and copies each chunk in one DMA
+    (:func:`_copy_gathered`); otherwise (a layer group of a multi-block chunk) one page (block ×
+    layer) at a time so both sides stay contiguous. At TP > 1 a rank's heads are strided inside
+    each host page, which torch stages through a temporary (correct, but the issuing thread waits
+    for that copy); per-rank contiguous host pages or a 2-D DMA would remove the staging.
     """
 
     def __init__(
@@ -825,7 +869,10 @@ class CudaCopyEngine(CopyEngine):
             started = torch.cuda.Event(enable_timing=True)
             started.record(stream)
             try:
-                nbytes = _copy_pairs(self._plan, job, non_blocking=True)
+                if self._plan.gathers(job):
+                    nbytes = _copy_gathered(self._plan, job, non_blocking=True)
+                else:
+                    nbytes = _copy_pairs(self._plan, job, non_blocking=True)
             except BaseException:
                 fence = torch.cuda.Event()
                 fence.record(stream)
