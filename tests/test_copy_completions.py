@@ -54,7 +54,8 @@ async def test_jobs_are_reported_in_order_as_their_events_fire() -> None:
     reported: list[tuple[int, float]] = []
     got = anyio.Event()
 
-    def report(job: _IssuedJob, seconds: float) -> None:
+    def report(job: _IssuedJob, seconds: float, error: BaseException | None) -> None:
+        assert error is None
         reported.append((job.job.job_id, seconds))
         got.set()
 
@@ -78,7 +79,7 @@ async def test_jobs_are_reported_in_order_as_their_events_fire() -> None:
 async def test_a_later_event_waits_behind_the_oldest() -> None:
     """Events of one stream fire in order; a job is never reported before those issued before it."""
     reported: list[int] = []
-    completions = _Completions(lambda job, _s: reported.append(job.job.job_id))
+    completions = _Completions(lambda job, _s, _e: reported.append(job.job.job_id))
     first, second = issued(1), issued(2)
     async with anyio.create_task_group() as tg:
         tg.start_soon(completions.run)
@@ -97,7 +98,7 @@ async def test_a_later_event_waits_behind_the_oldest() -> None:
 
 async def test_fence_reports_what_finishes_and_says_when_copies_may_still_run() -> None:
     reported: list[int] = []
-    completions = _Completions(lambda job, _s: reported.append(job.job.job_id))
+    completions = _Completions(lambda job, _s, _e: reported.append(job.job.job_id))
     done, stuck = issued(1), issued(2)
     done.done.fire()
     completions.add(done)
@@ -114,7 +115,7 @@ async def test_fence_reports_what_finishes_and_says_when_copies_may_still_run() 
 
 
 async def test_cancelling_the_waiter_does_not_wait_for_a_stuck_event() -> None:
-    completions = _Completions(lambda job, _s: None)
+    completions = _Completions(lambda job, _s, _e: None)
     stuck = issued(1)
     with anyio.fail_after(HANG_GUARD_S):
         async with anyio.create_task_group() as tg:
@@ -131,3 +132,32 @@ def test_seconds_fall_back_to_the_wall_clock_without_timing(monkeypatch: Any) ->
 
     monkeypatch.setattr(copy_engine.time, "monotonic", lambda: 7.0)
     assert copy_engine._gpu_seconds(issued(1)) == 7.0
+
+
+async def test_host_side_work_runs_after_the_copies_and_its_failure_fails_the_job() -> None:
+    """A staged store's bytes reach the host slot after its DMA (``finish``), on the helper
+    thread, before the job is reported; if that fails, the job is reported with the error."""
+    reported: list[tuple[int, BaseException | None]] = []
+    order: list[str] = []
+    completions = _Completions(lambda job, _s, error: reported.append((job.job.job_id, error)))
+    good, bad = issued(1), issued(2)
+    good.finish = lambda: order.append("finish")
+    original = good.done.synchronize
+
+    def synchronize() -> None:
+        original()
+        order.append("synchronized")
+
+    good.done.synchronize = synchronize  # type: ignore[method-assign]
+
+    def broken() -> None:
+        raise OSError("host side failed")
+
+    bad.finish = broken
+    for job in (good, bad):
+        completions.add(job)
+        job.done.fire()
+    assert await completions.fence(HANG_GUARD_S)
+    assert order == ["synchronized", "finish"]
+    assert reported[0] == (1, None)
+    assert reported[1][0] == 2 and isinstance(reported[1][1], OSError)

@@ -490,3 +490,61 @@ def test_only_contiguous_per_layer_jobs_are_gathered() -> None:
     finally:
         for buffer in buffers:
             buffer.close()
+
+
+@pytest.mark.parametrize("cross_layer", [False, True])
+@pytest.mark.parametrize("layers", [None, (1, 3)])
+@pytest.mark.parametrize("tp_rank", [0, 1, 3])
+def test_staged_copies_of_a_tp_rank_move_the_same_bytes_as_page_copies(
+        cross_layer: bool, layers: tuple[int, int] | None, tp_rank: int) -> None:
+    """At TP > 1 the CUDA engine gathers a rank's heads on the device and moves them through a
+    contiguous staging buffer (kvtier.tiers.copy_engine._copy_staged); on CPU tensors it must
+    write exactly the bytes of the page copies it replaces, into this rank's heads only, and
+    load them back, both layouts, with and without a layer range, blocks in any order."""
+    import numpy as np
+
+    from kvtier.tiers.copy_engine import CopyJob, _copy_pairs, _copy_staged, _CopyPlan
+    from kvtier.tiers.slots import SlotBuffer
+
+    tp, bpc = 4, 2
+    geo = KVGeometry("test/staged", num_layers=4, num_kv_heads=8, head_dim=8, dtype="float16", block_size=4,
+                     tp_size=tp)
+    heads = 8 // tp
+    gen = torch.Generator().manual_seed(tp_rank)
+
+    def kv(fill: bool) -> torch.Tensor | list[torch.Tensor]:
+        make = (lambda shape: torch.randn(shape, generator=gen).half()) if fill else (
+            lambda shape: torch.zeros(shape, dtype=torch.float16))
+        return make((16, 4, 2, 4, heads, 8)) if cross_layer else [make((16, 2, 4, heads, 8)) for _ in range(4)]
+
+    def tensors(value: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
+        return [value] if isinstance(value, torch.Tensor) else value
+
+    source = kv(True)
+    blocks = [9, 2, 14, 5]
+    outcomes = []
+    for staged in (False, True):
+        buffer = SlotBuffer(3, geo.slot_bytes(bpc), pin_memory=False)
+        buffer.array[:] = 0xAB  # other ranks' heads: must stay untouched
+        target = kv(False)
+        try:
+            plan = _CopyPlan(source, geo, bpc, buffer, tp_rank)
+            back = _CopyPlan(target, geo, bpc, buffer, tp_rank)
+            store = CopyJob(1, "to_host", [2, 0], blocks, layers=layers)
+            load = CopyJob(2, "to_device", [2, 0], list(reversed(blocks)), layers=layers)
+            if staged:
+                assert not plan.whole_pages
+                nbytes, finish = _copy_staged(plan, store)
+                assert finish is not None
+                finish()
+                assert _copy_staged(back, load) == (nbytes, None)
+            else:
+                _copy_pairs(plan, store)
+                _copy_pairs(back, load)
+            outcomes.append((buffer.array.copy(), [t.clone() for t in tensors(target)]))
+        finally:
+            buffer.close()
+    (host_pages, loaded_pages), (host_staged, loaded_staged) = outcomes
+    assert np.array_equal(host_pages, host_staged)
+    assert (host_staged != 0xAB).any() and (host_staged == 0xAB).any()  # its heads written, the rest not
+    assert all(torch.equal(a, b) for a, b in zip(loaded_pages, loaded_staged))

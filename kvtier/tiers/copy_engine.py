@@ -591,6 +591,50 @@ def _copy_gathered(plan: _CopyPlan, job: CopyJob, non_blocking: bool = False) ->
     return plan.job_bytes(job)
 
 
+def _copy_staged(plan: _CopyPlan, job: CopyJob, non_blocking: bool = False) -> tuple[int, Callable[[], None] | None]:
+    """Move a job of a TP > 1 rank, whose heads are strided inside every host page, without the
+    pageable staging (and wait) torch would add for a strided host copy.
+
+    The rank's part of the job is gathered on the device into a contiguous scratch
+    (``[blocks, layers, K/V, block_size, rank heads, head_dim]``) and moved in one DMA to or from
+    a contiguous pinned staging buffer; the CPU does the strided part. A load fills the staging
+    from the host slots first (CPU work, no wait for the device), then copies and scatters into
+    the device blocks. A store's bytes reach the host slots only once the DMA has finished: the
+    returned ``finish`` does that and must be called after the job's completion event (the
+    engine's completion thread does), before the job is reported. Returns ``(bytes, finish)``.
+    """
+    first, stop = plan.layer_range(job)
+    on_cuda = plan.device.type == "cuda"
+    blocks = torch.as_tensor(list(job.block_ids), dtype=torch.long)
+    if on_cuda:
+        blocks = blocks.pin_memory().to(plan.device, non_blocking=non_blocking)
+    page = tuple(plan.device_kv[0].shape[-4:])  # K/V, block_size, rank heads, head_dim
+    chunks = len(job.slot_ids)
+    shape = (chunks, plan.bpc, stop - first, *page)
+    staging = torch.empty(shape, dtype=plan.dtype, pin_memory=on_cuda)
+    if job.direction == "to_device":
+        for i, slot in enumerate(job.slot_ids):
+            staging[i].copy_(plan.host[slot][:, first:stop])  # CPU: strided host → contiguous staging
+        scratch = staging.to(plan.device, non_blocking=non_blocking).view(chunks * plan.bpc, stop - first, *page)
+        if plan.cross_layer:
+            plan.device_kv[0][:, first:stop].index_copy_(0, blocks, scratch)
+        else:
+            for offset, layer in enumerate(plan.device_kv[first:stop]):
+                layer.index_copy_(0, blocks, scratch[:, offset])
+        return plan.job_bytes(job), None
+    if plan.cross_layer:
+        scratch = plan.device_kv[0].index_select(0, blocks)[:, first:stop]
+    else:
+        scratch = torch.stack([layer.index_select(0, blocks) for layer in plan.device_kv[first:stop]], dim=1)
+    staging.view(scratch.shape).copy_(scratch, non_blocking=non_blocking)
+
+    def finish() -> None:
+        for i, slot in enumerate(job.slot_ids):
+            plan.host[slot][:, first:stop].copy_(staging[i])  # CPU: contiguous staging → strided host
+
+    return plan.job_bytes(job), finish
+
+
 def _copy_pairs_numpy(plan: _CopyPlan, job: CopyJob, host: np.ndarray, device_kv: Sequence[np.ndarray]) -> int:
     """CPU variant of :func:`_copy_pairs`: ``numpy.copyto`` between byte views of the same memory.
 
@@ -703,6 +747,13 @@ class _IssuedJob:
     done: Any  # event recorded after its last copy (timing, blocking sync)
     nbytes: int
     start: float  # time.monotonic() when issuing began
+    finish: Callable[[], None] | None = None  # host-side work once the copies are done (staged stores)
+
+    def wait(self) -> None:
+        """Block until the job's copies are done, then do its host-side part (helper thread)."""
+        self.done.synchronize()
+        if self.finish is not None:
+            self.finish()
 
 
 class _Completions:
@@ -717,7 +768,7 @@ class _Completions:
     ``elapsed_time(other)``), so the logic is testable without CUDA.
     """
 
-    def __init__(self, report: Callable[[_IssuedJob, float], None]) -> None:
+    def __init__(self, report: Callable[[_IssuedJob, float, BaseException | None], None]) -> None:
         self._report = report
         self._jobs: collections.deque[_IssuedJob] = collections.deque()
         self._arrived = anyio.Event()
@@ -740,10 +791,9 @@ class _Completions:
             issued = self._jobs[0]
             # Cancelled (closing), the thread is left to finish on its own and the job stays
             # queued: :meth:`fence` then waits for it, with a deadline.
-            await anyio.to_thread.run_sync(issued.done.synchronize, limiter=self._limiter,
-                                           abandon_on_cancel=True)
+            error = await self._wait(issued, abandon_on_cancel=True)
             self._jobs.popleft()
-            self._report(issued, _gpu_seconds(issued))
+            self._report(issued, _gpu_seconds(issued), error)
 
     async def fence(self, timeout: float) -> bool:
         """Wait up to ``timeout`` for every remaining job's copies, reporting each as done; False
@@ -751,12 +801,20 @@ class _Completions:
         with anyio.move_on_after(timeout):
             while self._jobs:
                 issued = self._jobs[0]
-                await anyio.to_thread.run_sync(issued.done.synchronize, limiter=self._limiter,
-                                               abandon_on_cancel=True)
+                error = await self._wait(issued, abandon_on_cancel=True)
                 self._jobs.popleft()
-                self._report(issued, _gpu_seconds(issued))
+                self._report(issued, _gpu_seconds(issued), error)
             return True
         return False
+
+    async def _wait(self, issued: _IssuedJob, *, abandon_on_cancel: bool) -> BaseException | None:
+        """:meth:`_IssuedJob.wait` on the helper thread; the exception it raised, if any (the job
+        then fails: its bytes may be incomplete)."""
+        try:
+            await anyio.to_thread.run_sync(issued.wait, limiter=self._limiter, abandon_on_cancel=abandon_on_cancel)
+        except Exception as exc:  # noqa: BLE001 - reported with the job
+            return exc
+        return None
 
     def take_all(self) -> list[_IssuedJob]:
         jobs = list(self._jobs)
@@ -794,8 +852,9 @@ class CudaCopyEngine(CopyEngine):
     per-layer at TP 1 gathers the job's pages on the device and copies each chunk in one DMA
     (:func:`_copy_gathered`); otherwise (a layer group of a multi-block chunk) one page (block ×
     layer) at a time so both sides stay contiguous. At TP > 1 a rank's heads are strided inside
-    each host page, which torch stages through a temporary (correct, but the issuing thread waits
-    for that copy); per-rank contiguous host pages or a 2-D DMA would remove the staging.
+    each host page: such a job is gathered on the device and moved through a contiguous pinned
+    staging buffer (:func:`_copy_staged`), the CPU doing the strided part — for a store after the
+    DMA, on the completion thread, before the job is reported.
     """
 
     def __init__(
@@ -868,8 +927,11 @@ class CudaCopyEngine(CopyEngine):
             stream.wait_event(ready)
             started = torch.cuda.Event(enable_timing=True)
             started.record(stream)
+            finish = None
             try:
-                if self._plan.gathers(job):
+                if not self._plan.whole_pages:
+                    nbytes, finish = _copy_staged(self._plan, job, non_blocking=True)
+                elif self._plan.gathers(job):
                     nbytes = _copy_gathered(self._plan, job, non_blocking=True)
                 else:
                     nbytes = _copy_pairs(self._plan, job, non_blocking=True)
@@ -880,7 +942,7 @@ class CudaCopyEngine(CopyEngine):
                 raise
             done = torch.cuda.Event(enable_timing=True, blocking=True)
             done.record(stream)
-        return _IssuedJob(job, started, done, nbytes, start)
+        return _IssuedJob(job, started, done, nbytes, start, finish)
 
     async def _issuer(self) -> None:
         async for job, ready in self._receive:
@@ -897,7 +959,11 @@ class CudaCopyEngine(CopyEngine):
                     continue
             self._completions[job.direction].add(issued)
 
-    def _report_issued(self, issued: _IssuedJob, seconds: float) -> None:
+    def _report_issued(self, issued: _IssuedJob, seconds: float, error: BaseException | None) -> None:
+        if error is not None:
+            log.warning("copy job %d failed after its copies: %r", issued.job.job_id, error)
+            self._fail(issued.job, f"copy_error: {type(error).__name__}", seconds)
+            return
         self._report(CopyResult(issued.job.job_id, True, issued.nbytes, seconds, done=issued.done))
 
     async def _finish_in_flight(self) -> None:
