@@ -282,6 +282,12 @@ class _CopyPlan:
         return (not self.cross_layer and self.whole_pages
                 and (job.layers is None or self.bpc == 1 or self.layer_range(job) == (0, self.num_layers)))
 
+    def runs_contiguous(self, job: CopyJob) -> bool:
+        """Whether each run of consecutive blocks of ``job`` is one contiguous range on both sides
+        (the cross-layer layout at TP 1, all layers): :func:`_copy_pairs` then copies one range
+        per run."""
+        return self.cross_layer and self.whole_pages and self.layer_range(job) == (0, self.num_layers)
+
     def pairs(
         self,
         job: CopyJob,
@@ -592,8 +598,9 @@ def _copy_gathered(plan: _CopyPlan, job: CopyJob, non_blocking: bool = False) ->
 
 
 def _copy_staged(plan: _CopyPlan, job: CopyJob, non_blocking: bool = False) -> tuple[int, Callable[[], None] | None]:
-    """Move a job of a TP > 1 rank, whose heads are strided inside every host page, without the
-    pageable staging (and wait) torch would add for a strided host copy.
+    """Move a job whose part of the host slots is strided — a TP > 1 rank's heads inside every
+    page, or a layer group of a multi-block chunk — without the pageable staging (and wait) torch
+    would add for a strided host copy, and without a call per page.
 
     The rank's part of the job is gathered on the device into a contiguous scratch
     (``[blocks, layers, K/V, block_size, rank heads, head_dim]``) and moved in one DMA to or from
@@ -848,13 +855,13 @@ class CudaCopyEngine(CopyEngine):
     do not finish within the close timeout, :attr:`fenced` is False and the engine's owner must
     not release the host buffer (``kvtier.Engine`` then keeps it, and says so).
 
-    Copy granularity: cross-layer at TP 1 copies each run of consecutive blocks in one DMA;
-    per-layer at TP 1 gathers the job's pages on the device and copies each chunk in one DMA
-    (:func:`_copy_gathered`); otherwise (a layer group of a multi-block chunk) one page (block ×
-    layer) at a time so both sides stay contiguous. At TP > 1 a rank's heads are strided inside
-    each host page: such a job is gathered on the device and moved through a contiguous pinned
-    staging buffer (:func:`_copy_staged`), the CPU doing the strided part — for a store after the
-    DMA, on the completion thread, before the job is reported.
+    Copy granularity, never one Python call per page: cross-layer at TP 1 (all layers) copies each
+    run of consecutive blocks in one DMA; per-layer at TP 1 gathers the job's pages on the device
+    and copies each chunk in one DMA (:func:`_copy_gathered`). Everything else — a TP > 1 rank,
+    whose heads are strided inside each host page, or a layer group of a multi-block chunk, strided
+    in its slot — is gathered on the device and moved through a contiguous pinned staging buffer
+    (:func:`_copy_staged`), the CPU doing the strided part: for a store after the DMA, on the
+    completion thread, before the job is reported.
     """
 
     def __init__(
@@ -929,12 +936,12 @@ class CudaCopyEngine(CopyEngine):
             started.record(stream)
             finish = None
             try:
-                if not self._plan.whole_pages:
-                    nbytes, finish = _copy_staged(self._plan, job, non_blocking=True)
-                elif self._plan.gathers(job):
+                if self._plan.gathers(job):
                     nbytes = _copy_gathered(self._plan, job, non_blocking=True)
-                else:
+                elif self._plan.runs_contiguous(job):
                     nbytes = _copy_pairs(self._plan, job, non_blocking=True)
+                else:
+                    nbytes, finish = _copy_staged(self._plan, job, non_blocking=True)
             except BaseException:
                 fence = torch.cuda.Event()
                 fence.record(stream)
