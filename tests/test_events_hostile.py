@@ -76,6 +76,15 @@ def _publisher_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogReco
     return [r for r in caplog.records if r.name == LOGGER and r.levelno >= logging.WARNING]
 
 
+async def _published(pub: ZmqEventPublisher, count: int) -> None:
+    """Publish ``count`` batches (into the replay ring) and wait until the thread has sent them."""
+    for i in range(count):
+        pub.publish([BlockRemoved([i], "CPU")])
+    with anyio.fail_after(10):
+        while pub.statistics().published_batches < count:
+            await anyio.sleep(0.005)
+
+
 async def _subscribed(pub: ZmqEventPublisher, ctx: zmq.Context) -> zmq.Socket:
     """A SUB socket that has seen a batch (PUB/SUB slow joiner), drained of probes."""
     sub = ctx.socket(zmq.SUB)
@@ -243,11 +252,7 @@ async def test_replay_requests_beyond_the_rate_get_only_the_end_marker_and_are_c
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(pub.run)
-            for i in range(5):
-                pub.publish([BlockRemoved([i], "CPU")])
-            with anyio.fail_after(5):
-                while pub.statistics().published_batches < 5:
-                    await anyio.sleep(0.005)
+            await _published(pub, 5)
             flood.connect(pub.last_replay_endpoint)
             polite.connect(pub.last_replay_endpoint)
 
@@ -309,11 +314,7 @@ async def test_a_full_ring_replay_is_complete_and_in_order_while_live_batches_co
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(pub.run)
-            for i in range(4000):
-                pub.publish([BlockRemoved([i], "CPU")])
-            with anyio.fail_after(10):
-                while pub.statistics().published_batches < 4000:
-                    await anyio.sleep(0.01)
+            await _published(pub, 4000)
             dealer.connect(pub.last_replay_endpoint)
             stop = threading.Event()
 
