@@ -56,8 +56,8 @@ sys.path[:0] = [_ROOT]
 import anyio  # noqa: E402
 
 import kvtier  # noqa: E402
-from kvtier.tiers.fs import FileSystemTier  # noqa: E402
-from kvtier.tiers.fs_index import ChunkIndex  # noqa: E402
+from kvtier.tiers.fs.tier import FileSystemTier  # noqa: E402
+from kvtier.tiers.fs.index import ChunkIndex  # noqa: E402
 from kvtier.tiers.integrity import stored_size  # noqa: E402
 
 GEOMETRY = kvtier.KVGeometry("bench/fs-scale", num_layers=4, num_kv_heads=8, head_dim=128, dtype="float16",

@@ -68,11 +68,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvtier.config import TierConfig
 from kvtier.keys import make_offload_key
 from kvtier.layout import KVGeometry, namespace
-from kvtier.tiers import fs_io
+from kvtier.tiers.fs import chunks as fs_io
 from kvtier.tiers.base import JobResult, TierContext, TransferJob
-from kvtier.tiers.fs import FileSystemTier
+from kvtier.tiers.fs.tier import FileSystemTier
 from kvtier.tiers.integrity import checksum
-from kvtier.tiers.slots import SlotBuffer
+from kvtier.host.slots import SlotBuffer
 
 CHUNKS_PER_JOB = 64
 GiB = float(1 << 30)
@@ -456,7 +456,7 @@ def print_tables(rows: list[Row], with_vllm: bool) -> None:
 
 
 def main() -> None:
-    logging.getLogger("kvtier.tiers.fs").setLevel(logging.ERROR)  # the unbounded-tier warning
+    logging.getLogger("kvtier.tiers.fs.tier").setLevel(logging.ERROR)  # the unbounded-tier warning
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", default=None, help="directory to write in (default: a temp dir under /tmp)")
     parser.add_argument("--jobs", type=int, default=4, help="jobs of 64 chunks per trial")

@@ -30,11 +30,11 @@ sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]
 
 from kvtier.keys import make_offload_key
 from kvtier.layout import KVGeometry
-from kvtier.tiers.copy_engine import CopyEngine, CopyJob, make_copy_engine
+from kvtier.host.copy_engine import CopyEngine, CopyJob, make_copy_engine
 from kvtier.context import RequestContext
 from kvtier.manager import TieringManager
-from kvtier.tiers.cpu import HostTier
-from kvtier.tiers.slots import SlotBuffer
+from kvtier.host.tier import HostTier
+from kvtier.host.slots import SlotBuffer
 
 KIB = 1024
 MIB = 1024 * KIB

@@ -30,7 +30,7 @@ from kvtier.keys import make_offload_key  # noqa: E402
 from kvtier.layout import KVGeometry  # noqa: E402
 from kvtier.tiers.base import TierContext, TransferJob  # noqa: E402
 from kvtier.tiers.obj import ObjectStoreTier  # noqa: E402
-from kvtier.tiers.slots import SlotBuffer  # noqa: E402
+from kvtier.host.slots import SlotBuffer  # noqa: E402
 
 MIB = 1 << 20
 # 32 layers x one 16-token block of 8 heads x 128 dims in fp16 = 2 MiB per chunk.

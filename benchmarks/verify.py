@@ -54,10 +54,10 @@ from kvtier.keys import make_offload_key  # noqa: E402
 from kvtier.layout import KVGeometry  # noqa: E402
 from kvtier.ops.runs import discover, list_tree, open_root  # noqa: E402
 from kvtier.ops.verify import _IO_DEPTH, verify_root  # noqa: E402
-from kvtier.tiers import fs_io  # noqa: E402
+from kvtier.tiers.fs import chunks as fs_io  # noqa: E402
 from kvtier.tiers.base import TransferJob  # noqa: E402
 from kvtier.tiers.integrity import TRAILER_PAGE  # noqa: E402
-from kvtier.tiers.slots import SlotBuffer  # noqa: E402
+from kvtier.host.slots import SlotBuffer  # noqa: E402
 
 GIB = 1 << 30
 _BATCH = 32

@@ -17,8 +17,8 @@ _EXPORTS: dict[str, str] = {
     "ConfigError": "kvtier.errors",
     "RequestError": "kvtier.errors",
     "EngineClosedError": "kvtier.errors",
-    "LayerwiseLoadError": "kvtier.layerwise",
-    "LayerGroup": "kvtier.layerwise",
+    "LayerwiseLoadError": "kvtier.engine.layerwise",
+    "LayerGroup": "kvtier.engine.layerwise",
     "RequestExtraKeys": "kvtier.keys",
     "MultimodalItem": "kvtier.keys",
     "EngineConfig": "kvtier.config",
@@ -32,10 +32,10 @@ _EXPORTS: dict[str, str] = {
     "OffloadingEvent": "kvtier.types",
     "RequestContext": "kvtier.context",
     "TieringManager": "kvtier.manager",
-    "Engine": "kvtier.api",
-    "open": "kvtier.api",
-    "start_in_thread": "kvtier.api",
-    "LoadOutcome": "kvtier.api",
+    "Engine": "kvtier.engine.engine",
+    "open": "kvtier.engine.engine",
+    "start_in_thread": "kvtier.engine.engine",
+    "LoadOutcome": "kvtier.engine.engine",
     "EngineMetrics": "kvtier.metrics",
     "serve_metrics": "kvtier.metrics",
 }
@@ -57,13 +57,13 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvtier.api import Engine, LoadOutcome, open, start_in_thread
+    from kvtier.engine.engine import Engine, LoadOutcome, open, start_in_thread
     from kvtier.config import EngineConfig, RequestParams, TierConfig, TierFilter
     from kvtier.metrics import EngineMetrics, serve_metrics
     from kvtier.context import RequestContext
     from kvtier.errors import ConfigError, EngineClosedError, RequestError
     from kvtier.keys import MultimodalItem, RequestExtraKeys
-    from kvtier.layerwise import LayerGroup, LayerwiseLoadError
+    from kvtier.engine.layerwise import LayerGroup, LayerwiseLoadError
     from kvtier.layout import KVGeometry
     from kvtier.manager import TieringManager
     from kvtier.types import Locality, LookupResult, Medium, OffloadingEvent

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from kvtier.backpressure import BackpressureDetector
     from kvtier.config import EngineConfig
     from kvtier.tiers.base import JobResult, SecondaryTier, TransferJob
-    from kvtier.tiers.cpu import HostTier, PrepareStoreOutput
+    from kvtier.host.tier import HostTier, PrepareStoreOutput
 
 __all__ = [
     "TieringManager",

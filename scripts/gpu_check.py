@@ -50,8 +50,8 @@ import torch  # noqa: E402
 
 import kvtier  # noqa: E402
 from kvtier import KVGeometry  # noqa: E402
-from kvtier.tiers.copy_engine import CopyJob, CudaCopyEngine  # noqa: E402
-from kvtier.tiers.slots import SlotBuffer  # noqa: E402
+from kvtier.host.copy_engine import CopyJob, CudaCopyEngine  # noqa: E402
+from kvtier.host.slots import SlotBuffer  # noqa: E402
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -218,7 +218,7 @@ async def test_layerwise_strategy_loads_what_load_does_with_correct_logits(model
 async def test_a_failed_layerwise_copy_recomputes_the_whole_prefix(
     model: TinyDecoder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvtier.tiers import copy_engine
+    from kvtier.host import copy_engine
 
     original = copy_engine._copy_pairs_numpy
 

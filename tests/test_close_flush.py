@@ -75,13 +75,13 @@ async def store_burst(engine: kvtier.Engine, n_prompts: int) -> list[bytes]:
 
 def abandoned_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.name == "kvtier.api" and r.levelno == logging.WARNING and "abandons" in r.getMessage()]
+            if r.name == "kvtier.engine.engine" and r.levelno == logging.WARNING and "abandons" in r.getMessage()]
 
 
 @pytest.mark.anyio
 async def test_every_chunk_of_an_800_chunk_burst_reaches_the_tier_after_the_block(
         caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="kvtier.api")
+    caplog.set_level(logging.WARNING, logger="kvtier.engine.engine")
     with anyio.fail_after(GUARD_S):
         # flush_timeout_s well above the ~0.3 s the cascades need, so a loaded machine passes too
         async with kvtier.open(config(latency_s=0.005), geometry(), device_kv(), flush_timeout_s=25) as engine:
@@ -122,7 +122,7 @@ async def test_a_body_that_raises_still_flushes() -> None:
 
 @pytest.mark.anyio
 async def test_flush_timeout_zero_abandons_the_cascades_and_logs_them(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="kvtier.api")
+    caplog.set_level(logging.WARNING, logger="kvtier.engine.engine")
     with anyio.fail_after(GUARD_S):
         async with kvtier.open(config(latency_s=600), geometry(), device_kv(), flush_timeout_s=0) as engine:
             keys = await store_burst(engine, 100)
@@ -135,7 +135,7 @@ async def test_flush_timeout_zero_abandons_the_cascades_and_logs_them(caplog: py
 
 @pytest.mark.anyio
 async def test_a_flush_that_runs_out_of_time_abandons_the_rest_and_logs_it(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="kvtier.api")
+    caplog.set_level(logging.WARNING, logger="kvtier.engine.engine")
     with anyio.fail_after(GUARD_S):
         async with kvtier.open(config(latency_s=600), geometry(), device_kv(), flush_timeout_s=0.2) as engine:
             await store_burst(engine, 3)
@@ -148,7 +148,7 @@ async def test_a_flush_that_runs_out_of_time_abandons_the_rest_and_logs_it(caplo
 @pytest.mark.anyio
 async def test_a_cancelled_caller_does_not_wait_for_the_flush(caplog: pytest.LogCaptureFixture) -> None:
     """Cancelled inside the block: close skips the flush (it is not shielded) but still closes."""
-    caplog.set_level(logging.WARNING, logger="kvtier.api")
+    caplog.set_level(logging.WARNING, logger="kvtier.engine.engine")
     with anyio.fail_after(GUARD_S):  # the flush would wait 600 s: only an unshielded one returns
         with anyio.CancelScope() as scope:
             async with kvtier.open(config(latency_s=600), geometry(), device_kv(), flush_timeout_s=600) as engine:
@@ -166,7 +166,7 @@ async def test_a_cancelled_caller_does_not_wait_for_the_flush(caplog: pytest.Log
 @pytest.mark.anyio
 async def test_a_deadline_that_passes_during_the_flush_ends_it(caplog: pytest.LogCaptureFixture) -> None:
     """The body ends normally; the caller's deadline then expires while close is flushing."""
-    caplog.set_level(logging.WARNING, logger="kvtier.api")
+    caplog.set_level(logging.WARNING, logger="kvtier.engine.engine")
     with anyio.fail_after(GUARD_S):
         with anyio.move_on_after(0.5) as scope:
             async with kvtier.open(config(latency_s=600), geometry(), device_kv(), flush_timeout_s=600) as engine:
@@ -180,7 +180,7 @@ async def test_a_deadline_that_passes_during_the_flush_ends_it(caplog: pytest.Lo
 
 
 def test_threaded_engine_close_flushes(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="kvtier.api")
+    caplog.set_level(logging.WARNING, logger="kvtier.engine.engine")
     engine = kvtier.start_in_thread(config(latency_s=0.005), geometry(), device_kv(), flush_timeout_s=25)
     keys: list[bytes] = []
     try:
@@ -195,7 +195,7 @@ def test_threaded_engine_close_flushes(caplog: pytest.LogCaptureFixture) -> None
 
 
 def test_threaded_engine_with_flush_timeout_zero_abandons_and_logs(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="kvtier.api")
+    caplog.set_level(logging.WARNING, logger="kvtier.engine.engine")
     engine = kvtier.start_in_thread(config(latency_s=600), geometry(), device_kv(), flush_timeout_s=0)
     try:
         for tokens in prompts(5, seed=2):

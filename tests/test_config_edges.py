@@ -249,7 +249,7 @@ async def test_a_config_error_from_open_ends_at_the_public_call() -> None:
         async with kvtier.open(BAD, geometry(), device_kv()):
             pass  # pragma: no cover
     assert str(info.value) == BAD_MESSAGE
-    assert kvtier_frames(info.tb) == ["api.py:open"]
+    assert kvtier_frames(info.tb) == ["engine/engine.py:open"]
 
 
 @pytest.mark.anyio
@@ -258,7 +258,7 @@ async def test_a_config_error_from_a_tier_start_ends_at_the_public_call(tmp_path
     with pytest.raises(ConfigError) as info:
         async with kvtier.open(config, geometry(), device_kv()):
             pass  # pragma: no cover
-    assert kvtier_frames(info.tb) == ["api.py:open"]
+    assert kvtier_frames(info.tb) == ["engine/engine.py:open"]
 
 
 @pytest.mark.anyio
@@ -266,14 +266,14 @@ async def test_a_config_error_from_the_engine_geometry_ends_at_the_public_call()
     with pytest.raises(ConfigError, match="at least one chunk slot") as info:
         async with kvtier.open({"cpu_bytes_to_use": SLOT - 1}, geometry(), device_kv()):
             pass  # pragma: no cover
-    assert kvtier_frames(info.tb) == ["api.py:open"]
+    assert kvtier_frames(info.tb) == ["engine/engine.py:open"]
 
 
 def test_a_config_error_from_start_in_thread_ends_at_the_public_call() -> None:
     with pytest.raises(ConfigError) as info:
         kvtier.start_in_thread(BAD, geometry(), device_kv())
     assert str(info.value) == BAD_MESSAGE
-    assert kvtier_frames(info.tb) == ["api.py:start_in_thread"]
+    assert kvtier_frames(info.tb) == ["engine/engine.py:start_in_thread"]
 
 
 def test_a_config_error_from_from_dict_shows_one_frame_of_kvtier() -> None:
@@ -305,5 +305,5 @@ async def test_a_trimmed_config_error_keeps_its_cause() -> None:
     with pytest.raises(ConfigError, match="spec_module_path: cannot import") as info:
         async with kvtier.open(config, geometry(), device_kv()):
             pass  # pragma: no cover
-    assert kvtier_frames(info.tb) == ["api.py:open"]
+    assert kvtier_frames(info.tb) == ["engine/engine.py:open"]
     assert isinstance(info.value.__cause__, ModuleNotFoundError)  # the module's own error, still shown

@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 import pytest
 
-from kvtier.tiers.copy_engine import CopyJob, _Completions, _IssuedJob
+from kvtier.host.copy_engine import CopyJob, _Completions, _IssuedJob
 
 pytestmark = pytest.mark.anyio
 HANG_GUARD_S = 10.0  # a broken waiter fails instead of hanging; never a timing claim
@@ -128,7 +128,7 @@ async def test_cancelling_the_waiter_does_not_wait_for_a_stuck_event() -> None:
 
 
 def test_seconds_fall_back_to_the_wall_clock_without_timing(monkeypatch: Any) -> None:
-    from kvtier.tiers import copy_engine
+    from kvtier.host import copy_engine
 
     monkeypatch.setattr(copy_engine.time, "monotonic", lambda: 7.0)
     assert copy_engine._gpu_seconds(issued(1)) == 7.0

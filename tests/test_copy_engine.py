@@ -1,4 +1,4 @@
-"""Specification of the copy engines (``kvtier/tiers/copy_engine.py``).
+"""Specification of the copy engines (``kvtier/host/copy_engine.py``).
 
 The CPU engine is exercised everywhere; the tests marked ``gpu`` mirror the round trips on CUDA
 and are skipped by conftest without it.
@@ -14,7 +14,7 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.layout import KVGeometry
-from kvtier.tiers.copy_engine import (
+from kvtier.host.copy_engine import (
     CopyJob,
     CopyResult,
     CpuCopyEngine,
@@ -24,7 +24,7 @@ from kvtier.tiers.copy_engine import (
     _CopyPlan,
     make_copy_engine,
 )
-from kvtier.tiers.slots import SlotBuffer
+from kvtier.host.slots import SlotBuffer
 
 NUM_BLOCKS = 16
 
@@ -433,12 +433,12 @@ async def test_cuda_two_tp_ranks_match_the_cpu_engine(cross_layer: bool) -> None
 @pytest.mark.parametrize(("bpc", "layers"), [(1, None), (3, None), (1, (1, 3)), (1, (0, 1))])
 def test_gathered_copies_move_the_same_bytes_as_page_copies(bpc: int, layers: tuple[int, int] | None) -> None:
     """The CUDA engine's per-layer path gathers pages on the device and copies each chunk in one
-    DMA (kvtier.tiers.copy_engine._copy_gathered); on CPU tensors it must produce exactly the
+    DMA (kvtier.host.copy_engine._copy_gathered); on CPU tensors it must produce exactly the
     bytes of the page-by-page copies it replaces, both ways, blocks in any order."""
     import numpy as np
 
-    from kvtier.tiers.copy_engine import CopyJob, _copy_gathered, _copy_pairs, _CopyPlan
-    from kvtier.tiers.slots import SlotBuffer
+    from kvtier.host.copy_engine import CopyJob, _copy_gathered, _copy_pairs, _CopyPlan
+    from kvtier.host.slots import SlotBuffer
 
     geo = KVGeometry("test/gather", num_layers=4, num_kv_heads=2, head_dim=8, dtype="float16", block_size=4)
     gen = torch.Generator().manual_seed(bpc)
@@ -466,8 +466,8 @@ def test_gathered_copies_move_the_same_bytes_as_page_copies(bpc: int, layers: tu
 
 
 def test_each_job_takes_the_copy_path_that_fits_its_layout() -> None:
-    from kvtier.tiers.copy_engine import CopyJob, _CopyPlan
-    from kvtier.tiers.slots import SlotBuffer
+    from kvtier.host.copy_engine import CopyJob, _CopyPlan
+    from kvtier.host.slots import SlotBuffer
 
     def plan(tp: int, bpc: int, cross_layer: bool = False) -> _CopyPlan:
         geo = KVGeometry("test/gather", num_layers=4, num_kv_heads=2, head_dim=8, dtype="float16",
@@ -502,13 +502,13 @@ def test_each_job_takes_the_copy_path_that_fits_its_layout() -> None:
 def test_staged_copies_of_a_tp_rank_move_the_same_bytes_as_page_copies(
         cross_layer: bool, layers: tuple[int, int] | None, tp: int, tp_rank: int) -> None:
     """At TP > 1 the CUDA engine gathers a rank's heads on the device and moves them through a
-    contiguous staging buffer (kvtier.tiers.copy_engine._copy_staged); on CPU tensors it must
+    contiguous staging buffer (kvtier.host.copy_engine._copy_staged); on CPU tensors it must
     write exactly the bytes of the page copies it replaces, into this rank's heads only, and
     load them back, both layouts, with and without a layer range, blocks in any order."""
     import numpy as np
 
-    from kvtier.tiers.copy_engine import CopyJob, _copy_pairs, _copy_staged, _CopyPlan
-    from kvtier.tiers.slots import SlotBuffer
+    from kvtier.host.copy_engine import CopyJob, _copy_pairs, _copy_staged, _CopyPlan
+    from kvtier.host.slots import SlotBuffer
 
     bpc = 2
     geo = KVGeometry("test/staged", num_layers=4, num_kv_heads=8, head_dim=8, dtype="float16", block_size=4,

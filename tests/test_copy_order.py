@@ -1,6 +1,6 @@
 """The ordering contract between a caller's device work and kvtier's copies (CPU-side logic).
 
-``kvtier.tiers.copy_engine`` ("Ordering"): the event a copy waits for is recorded in the caller's
+``kvtier.host.copy_engine`` ("Ordering"): the event a copy waits for is recorded in the caller's
 thread, on the caller's stream, when the caller's operation starts; a load hands its completion
 over to that stream. A recording copy engine (the CPU engine with the two hooks observed) stands
 in for CUDA, so the contract is checked where it is easy to get wrong: ``kvtier.open``'s engine
@@ -19,8 +19,8 @@ import torch
 
 import kvtier
 from kvtier import KVGeometry
-from kvtier.tiers import copy_engine as copy_engine_module
-from kvtier.tiers.copy_engine import CopyJob, CopyOrder, CopyResult, CpuCopyEngine
+from kvtier.host import copy_engine as copy_engine_module
+from kvtier.host.copy_engine import CopyJob, CopyOrder, CopyResult, CpuCopyEngine
 
 BLOCK, LAYERS, HEADS, DIM, NUM_BLOCKS = 4, 2, 2, 16, 16
 TOKENS = list(range(4 * BLOCK))
@@ -169,7 +169,7 @@ def test_the_blocking_facade_refuses_a_stream_for_cpu_tensors() -> None:
 async def test_a_job_without_an_order_still_runs(anyio_backend: str) -> None:
     """Direct users of a copy engine submit jobs without an order (the CUDA engine then waits for
     the submitting thread's stream); the CPU engine copies them as before."""
-    from kvtier.tiers.slots import SlotBuffer
+    from kvtier.host.slots import SlotBuffer
 
     geo = geometry()
     kv = device_kv()

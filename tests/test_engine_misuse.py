@@ -3,7 +3,7 @@ names its key.
 
 Covers ``kvtier.EngineClosedError`` (every method of a closed ``Engine`` / ``ThreadedEngine``),
 the argument checks of ``Engine.load/load_with_sources/store/cached_prefix_tokens/chunk_keys``
-(``kvtier/arguments.py``; example tests and a hypothesis property: any mix of good and bad ids
+(``kvtier/engine/arguments.py``; example tests and a hypothesis property: any mix of good and bad ids
 gives a clean result or ``TypeError``/``ValueError``, never another exception, never a hang, never
 a copy job for bad ids), and the ``ConfigError`` of ``flush_timeout_s``, ``cpu_bytes_to_use``,
 ``device_kv``, ``events`` endpoints and ``metrics.port``.

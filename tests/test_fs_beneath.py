@@ -1,4 +1,4 @@
-"""Specification of containment beneath a directory (kvtier/tiers/fs_beneath.py).
+"""Specification of containment beneath a directory (kvtier/tiers/fs/beneath.py).
 
 Every test runs twice: with ``openat2`` (where the kernel has it) and with the component-by-component
 fallback, which must give the same guarantees.
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.tiers import fs_beneath
-from kvtier.tiers.fs_beneath import UnsafeEntry
+from kvtier.tiers.fs import beneath as fs_beneath
+from kvtier.tiers.fs.beneath import UnsafeEntry
 
 
 @pytest.fixture(params=["openat2", "walk"])

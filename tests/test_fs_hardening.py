@@ -1,5 +1,5 @@
 """The fs tier against a hostile or broken tree: links, pipes, swapped and old files, full disks,
-crash leftovers, and the capacity cap under concurrency and rescans (kvtier/tiers/fs.py)."""
+crash leftovers, and the capacity cap under concurrency and rescans (kvtier/tiers/fs/tier.py)."""
 
 from __future__ import annotations
 
@@ -33,13 +33,14 @@ from test_fs_tier import (
 )
 
 from kvtier.errors import ConfigError
-from kvtier.tiers import fs as fs_module
-from kvtier.tiers import fs_io, fs_scan
+from kvtier.tiers.fs import tier as fs_module
+from kvtier.tiers.fs import chunks as fs_io
+from kvtier.tiers.fs import scan as fs_scan
 from kvtier.tiers.base import TransferJob
-from kvtier.tiers.fs import FileSystemTier
-from kvtier.tiers.fs_scan import ScanBatch
+from kvtier.tiers.fs.tier import FileSystemTier
+from kvtier.tiers.fs.scan import ScanBatch
 from kvtier.tiers.integrity import checksum
-from kvtier.tiers.slots import SlotBuffer
+from kvtier.host.slots import SlotBuffer
 from kvtier.types import LookupResult
 
 

@@ -1,4 +1,4 @@
-"""The fs tier's chunk index (kvtier.tiers.fs_index.ChunkIndex) against a plain model: a dict of
+"""The fs tier's chunk index (kvtier.tiers.fs.index.ChunkIndex) against a plain model: a dict of
 sizes, an OrderedDict for the hot list and (age bucket, arrival) for cold chunks. Small initial
 sizes make every run go through slot-array growth, lookup-table doubling, incremental migration
 and backward-shift deletion in both tables."""
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvtier.tiers.base import TierIOError
-from kvtier.tiers.fs_index import MAX_KEY_BYTES, ChunkIndex, leaf_of
+from kvtier.tiers.fs.index import MAX_KEY_BYTES, ChunkIndex, leaf_of
 
 # Few leaf prefixes and groups: leaf chains hold several keys; two key lengths.
 _PREFIXES = [bytes.fromhex(p) for p in ("abcde0", "abcde7", "abc010", "fff000")]

@@ -1,4 +1,4 @@
-"""Specification of the fs tier's raw file primitives and dual-queue pool (kvtier/tiers/fs_io.py)."""
+"""Specification of the fs tier's raw file primitives and dual-queue pool (kvtier/tiers/fs/chunks.py)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import anyio
 import pytest
 
 from kvtier.keys import make_offload_key
-from kvtier.tiers import fs_io
-from kvtier.tiers.fs_io import DualQueuePool, IOQueue
+from kvtier.tiers.fs import chunks as fs_io
+from kvtier.tiers.fs.chunks import DualQueuePool, IOQueue
 from kvtier.tiers.integrity import SizeClass, identity, make_trailer_page, verify
 
 SLOT = 16384

@@ -28,11 +28,11 @@ from test_fs_tier import (
 )
 
 from kvtier.layout import Namespace
-from kvtier.tiers import fs as fs_module
-from kvtier.tiers import fs_io
-from kvtier.tiers.fs_index import leaf_of
-from kvtier.tiers.fs_scan import LeafListing
-from kvtier.tiers.slots import SlotBuffer
+from kvtier.tiers.fs import tier as fs_module
+from kvtier.tiers.fs import chunks as fs_io
+from kvtier.tiers.fs.index import leaf_of
+from kvtier.tiers.fs.scan import LeafListing
+from kvtier.host.slots import SlotBuffer
 from kvtier.types import LookupResult
 
 
@@ -370,7 +370,7 @@ async def test_an_unreadable_directory_is_skipped_with_a_warning_and_its_chunks_
     async with running(tier):
         assert len(tier.index) == 16
         leaf_dir = Path(tier.namespace.chunk_path(key_of(3))).parent
-        from kvtier.tiers import fs_scan
+        from kvtier.tiers.fs import scan as fs_scan
 
         real = fs_scan.open_dir
 
@@ -381,7 +381,7 @@ async def test_an_unreadable_directory_is_skipped_with_a_warning_and_its_chunks_
 
         monkeypatch.setattr(fs_scan, "open_dir", open_dir)
         tier._mtimes.invalidate(*leaf_of(key_of(3)))  # listed again by the next pass
-        with caplog.at_level("WARNING", logger="kvtier.tiers.fs"):
+        with caplog.at_level("WARNING", logger="kvtier.tiers.fs.tier"):
             await tier.rescan()
         assert "could not be read (permission denied)" in caplog.text
         assert key_of(3) in tier.index and len(tier.index) == 16

@@ -1,4 +1,4 @@
-"""Listing a block tree (kvtier.tiers.fs_scan): what the fs tier's scans and the operator commands
+"""Listing a block tree (kvtier.tiers.fs.scan): what the fs tier's scans and the operator commands
 share. Trees are built by hand here; tests/test_fs_tier.py and tests/test_fs_scale.py cover the
 tier's use of it."""
 
@@ -16,8 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvtier.layout import Namespace
-from kvtier.tiers import fs_io, fs_scan
-from kvtier.tiers.fs_scan import (
+from kvtier.tiers.fs import chunks as fs_io
+from kvtier.tiers.fs import scan as fs_scan
+from kvtier.tiers.fs.scan import (
     LeafMtimes,
     PassPlan,
     ScanBatch,

@@ -1,4 +1,4 @@
-"""Scan worker processes (kvtier.tiers.fs_scan_workers): a walk in workers finds what a walk on a
+"""Scan worker processes (kvtier.tiers.fs.scan_workers): a walk in workers finds what a walk on a
 thread finds, paced or not; a worker that dies or talks nonsense fails the walk with an OSError and
 is replaced; a tier that cannot start workers walks on a thread; closing a tier kills its workers."""
 
@@ -16,10 +16,10 @@ import pytest
 from test_fs_scale import ScanGate, fill_tree
 from test_fs_tier import FILE, SLOT, make_tier, running
 
-from kvtier.tiers import fs as fs_module
-from kvtier.tiers.fs_scan import LeafMtimes, PassPlan, ScanBatch, list_root, walk_tree
-from kvtier.tiers.fs_scan_workers import ScanWorker, ScanWorkers, ScanWorkerStartError
-from kvtier.tiers.slots import SlotBuffer
+from kvtier.tiers.fs import tier as fs_module
+from kvtier.tiers.fs.scan import LeafMtimes, PassPlan, ScanBatch, list_root, walk_tree
+from kvtier.tiers.fs.scan_workers import ScanWorker, ScanWorkers, ScanWorkerStartError
+from kvtier.host.slots import SlotBuffer
 
 
 @pytest.fixture
@@ -193,7 +193,7 @@ async def test_without_a_python_executable_the_tier_walks_on_a_thread(
     with pytest.raises(ScanWorkerStartError):
         await ScanWorker.start(0)
     tier = make_tier(tmp_path, host, rescan_interval_s=3600)
-    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.fs"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.fs.tier"):
         async with running(tier):
             await tier.wait_scanned()
             assert len(tier.index) == 12 and tier.index.complete

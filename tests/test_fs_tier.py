@@ -1,4 +1,4 @@
-"""Specification of the filesystem tier (kvtier/tiers/fs.py), driven directly through the base
+"""Specification of the filesystem tier (kvtier/tiers/fs/tier.py), driven directly through the base
 class's channels: ``tg.start(tier.run)``, ``submit_*``, ``get_finished_jobs`` with the wakeup
 callback, and a :class:`SlotBuffer` as the host."""
 
@@ -24,11 +24,11 @@ from kvtier.config import TierConfig
 from kvtier.errors import ConfigError
 from kvtier.keys import make_offload_key
 from kvtier.layout import KVGeometry, namespace, run_digest
-from kvtier.tiers import fs_io
+from kvtier.tiers.fs import chunks as fs_io
 from kvtier.tiers.base import JobResult, TierContext, TransferJob
-from kvtier.tiers.fs import FileSystemTier
+from kvtier.tiers.fs.tier import FileSystemTier
 from kvtier.tiers.integrity import REJECT_REASONS, TRAILER_PAGE, identity
-from kvtier.tiers.slots import SlotBuffer
+from kvtier.host.slots import SlotBuffer
 from kvtier.types import LookupResult, Medium
 
 REPO = Path(__file__).resolve().parents[1]
@@ -271,7 +271,7 @@ _WRITER_SCRIPT = r"""
 import sys, json, hashlib, anyio
 sys.path.insert(0, sys.argv[1])
 from tests.test_fs_tier import make_tier, running, store, SLOT
-from kvtier.tiers.slots import SlotBuffer
+from kvtier.host.slots import SlotBuffer
 from pathlib import Path
 
 async def main():

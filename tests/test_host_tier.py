@@ -1,4 +1,4 @@
-"""Specification of the host tier's bookkeeping (``kvtier/tiers/cpu.py``, reference §1.4/§1.5)."""
+"""Specification of the host tier's bookkeeping (``kvtier/host/tier.py``, reference §1.4/§1.5)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from kvtier.context import RequestContext
 from kvtier.keys import make_offload_key
-from kvtier.tiers.cpu import HostTier, PrepareStoreOutput
+from kvtier.host.tier import HostTier, PrepareStoreOutput
 from kvtier.types import LookupResult, OffloadingEvent
 
 SLOT = 4096

@@ -1,4 +1,4 @@
-"""Specification of layer-wise loading (``kvtier/layerwise.py``, ``Engine.load_layerwise``).
+"""Specification of layer-wise loading (``kvtier/engine/layerwise.py``, ``Engine.load_layerwise``).
 
 Runs on asyncio and trio with the CPU copy engine. Order is made observable without timing: a
 hook in the CPU engine's copy function holds the copies of later layers at a gate, so a test can
@@ -20,9 +20,9 @@ import torch
 
 import kvtier
 from kvtier import EngineClosedError, KVGeometry
-from kvtier.layerwise import LayerGroup, LayerwiseLoadError
-from kvtier.tiers import copy_engine as copy_engine_module
-from kvtier.tiers.copy_engine import CopyEngine
+from kvtier.engine.layerwise import LayerGroup, LayerwiseLoadError
+from kvtier.host import copy_engine as copy_engine_module
+from kvtier.host.copy_engine import CopyEngine
 
 BLOCK = 4
 LAYERS = 4

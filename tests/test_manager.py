@@ -13,7 +13,7 @@ from kvtier.context import RequestContext
 from kvtier.keys import make_offload_key
 from kvtier.manager import TieringManager
 from kvtier.tiers.base import TierContext
-from kvtier.tiers.cpu import HostTier
+from kvtier.host.tier import HostTier
 from kvtier.tiers.factory import SecondaryTierFactory
 from kvtier.types import LookupResult
 

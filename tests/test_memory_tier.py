@@ -13,7 +13,7 @@ from kvtier.errors import ConfigError
 from kvtier.tiers.base import JobResult, TierContext, TransferJob
 from kvtier.tiers.faulty import FaultyTier
 from kvtier.tiers.memory import MemoryTier
-from kvtier.tiers.slots import SlotBuffer
+from kvtier.host.slots import SlotBuffer
 from kvtier.types import LookupResult
 
 SLOT = 4096

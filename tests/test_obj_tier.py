@@ -31,7 +31,7 @@ from kvtier.layout import namespace
 from kvtier.tiers.base import ChunkCorrupt, ChunkNotFound, TierContext, TierIOError, TransferJob
 from kvtier.tiers.integrity import TRAILER_PAGE, checksum
 from kvtier.tiers.obj import CircuitBreaker, ObjectStoreTier, object_key
-from kvtier.tiers.slots import SlotBuffer
+from kvtier.host.slots import SlotBuffer
 from kvtier.types import LookupResult
 
 BLOCK = 4

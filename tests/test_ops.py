@@ -27,7 +27,7 @@ from kvtier.ops.gc import run_gc_cli  # noqa: E402
 from kvtier.ops.inspect import run_inspect_cli  # noqa: E402
 from kvtier.ops.runs import guess_slot_bytes, parse_size  # noqa: E402
 from kvtier.ops.verify import REASONS, run_verify_cli  # noqa: E402
-from kvtier.tiers.slots import SlotBuffer  # noqa: E402
+from kvtier.host.slots import SlotBuffer  # noqa: E402
 
 N = 12
 

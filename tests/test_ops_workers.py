@@ -143,7 +143,7 @@ def test_a_worker_that_dies_fails_the_listing_clearly(tmp_path: Path, monkeypatc
     root = tmp_path / "root"
     tree = build(root, list(range(4)))
     monkeypatch.setattr(runs, "IN_PROCESS_TOPS", -1)
-    from kvtier.tiers import fs_scan_workers
+    from kvtier.tiers.fs import scan_workers as fs_scan_workers
 
     monkeypatch.setattr(fs_scan_workers, "_BOOT", "import sys; sys.stderr.write('boom\\n'); sys.exit(3)")
     fd = runs.open_root(str(root))

@@ -1,4 +1,4 @@
-"""The host slot buffer (``kvtier/tiers/slots.py``), its pinned path driven through a fake CUDA runtime.
+"""The host slot buffer (``kvtier/host/slots.py``), its pinned path driven through a fake CUDA runtime.
 
 Without a GPU the pinned path is exercised with a recording stand-in for ``torch.cuda.cudart()``:
 what matters here is what kvtier asks of the runtime — exactly the configured bytes, in bounded
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.tiers import slots
-from kvtier.tiers.slots import PAGE_SIZE, SlotBuffer
+from kvtier.host import slots
+from kvtier.host.slots import PAGE_SIZE, SlotBuffer
 
 SLOT = 3 * PAGE_SIZE
 

@@ -25,7 +25,7 @@ from kvtier.tiers.base import (
     failure_reason,
 )
 from kvtier.tiers.faulty import FaultyTier
-from kvtier.tiers.slots import SlotBuffer
+from kvtier.host.slots import SlotBuffer
 from kvtier.types import CacheHitSource, Locality, LookupResult, Medium
 
 SLOT = 4096

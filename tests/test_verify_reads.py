@@ -24,7 +24,8 @@ from kvtier.ops import verify as verify_mod  # noqa: E402
 from kvtier.ops import verify_workers  # noqa: E402
 from kvtier.ops.verify import run_verify_cli  # noqa: E402
 from kvtier.ops.verify_workers import VERDICTS, Checker  # noqa: E402
-from kvtier.tiers import fs_beneath, fs_io  # noqa: E402
+from kvtier.tiers.fs import beneath as fs_beneath
+from kvtier.tiers.fs import chunks as fs_io  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="reads that may not wait are Linux-only")
 

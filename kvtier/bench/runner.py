@@ -399,7 +399,7 @@ class _Server:
         the next group. If a group's copy fails the whole prefix is recomputed, as the
         layer-wise contract demands.
         """
-        from kvtier.layerwise import LayerwiseLoadError
+        from kvtier.engine.layerwise import LayerwiseLoadError
 
         try:
             async with self.engine.load_layerwise(tokens[:-1], block_ids, num_computed_tokens=cached) as layers:

@@ -14,7 +14,7 @@ mtime is when it was written). The tier's in-memory recency (loads since) is not
 so a chunk that is old on disk but hot in an engine can be evicted; the engine then misses once
 and stores it again.
 
-Safe with running engines: files are removed with :func:`kvtier.tiers.fs_io.remove_file` (never
+Safe with running engines: files are removed with :func:`kvtier.tiers.fs.chunks.remove_file` (never
 following a link). A load that opened the file before the unlink reads the whole, intact file; a
 load after it misses; the tier verifies every load, so a removed chunk is at worst a miss, never
 wrong bytes. The engines notice the freed space at their next rescan.
@@ -48,7 +48,8 @@ from typing import Any, TextIO
 
 from kvtier.ops import runs as _runs
 from kvtier.ops.runs import discover, format_bytes, list_tree, printable_report, run_on_root
-from kvtier.tiers import fs_beneath, fs_io
+from kvtier.tiers.fs import beneath as fs_beneath
+from kvtier.tiers.fs import chunks as fs_io
 
 __all__ = ["run_gc_cli", "build_parser", "gc_root"]
 

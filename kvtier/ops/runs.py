@@ -15,9 +15,9 @@ never touched:
 
 Containment: ROOT is opened once (ROOT itself may be a link, like the tier's ``root_dir``); every
 directory below it is opened ``O_NOFOLLOW`` relative to its parent's descriptor
-(:mod:`kvtier.tiers.fs_beneath`), files are only ``lstat``-ed here, and nothing is modified.
+(:mod:`kvtier.tiers.fs.beneath`), files are only ``lstat``-ed here, and nothing is modified.
 
-:func:`list_tree` walks one rank tree with the fs tier's own walk (:mod:`kvtier.tiers.fs_scan`,
+:func:`list_tree` walks one rank tree with the fs tier's own walk (:mod:`kvtier.tiers.fs.scan`,
 in scan worker processes on a big tree) and sorts what it finds into chunk files (regular files
 of the layout's names), unsafe entries (links, special files or directories where a chunk or
 shard directory belongs, reason ``not_regular``), temporary files (``<hash>.bin_<n>.tmp`` and
@@ -43,8 +43,10 @@ import anyio
 
 from kvtier.errors import ConfigError
 from kvtier.layout import Namespace, namespace
-from kvtier.tiers import fs_beneath, fs_io, fs_scan
-from kvtier.tiers.fs_scan_workers import ScanWorkers
+from kvtier.tiers.fs import beneath as fs_beneath
+from kvtier.tiers.fs import chunks as fs_io
+from kvtier.tiers.fs import scan as fs_scan
+from kvtier.tiers.fs.scan_workers import ScanWorkers
 from kvtier.tiers.integrity import TRAILER_PAGE
 
 __all__ = [
@@ -311,8 +313,8 @@ def list_tree(root_fd: int, tree_name: str, *, workers: int = SCAN_WORKERS,
               on_shard: Callable[[], None] | None = None) -> TreeListing:
     """Everything under rank tree ``tree_name`` (stat only, nothing followed, nothing changed).
 
-    The top-level shard directories are walked by :mod:`kvtier.tiers.fs_scan`'s reporting walk:
-    by ``workers`` scan worker processes (:mod:`kvtier.tiers.fs_scan_workers`) on a tree of more
+    The top-level shard directories are walked by :mod:`kvtier.tiers.fs.scan`'s reporting walk:
+    by ``workers`` scan worker processes (:mod:`kvtier.tiers.fs.scan_workers`) on a tree of more
     than :data:`IN_PROCESS_TOPS` of them, in this thread otherwise. Chunks are sorted oldest first
     (by mtime). ``on_shard`` is called after each top-level shard directory (progress)."""
     out = TreeListing()

@@ -1,11 +1,11 @@
 """``kvtier verify ROOT [--run DIGEST] [--repair] [--json] [--workers N]``: read and check every chunk.
 
 Every chunk file of every rank tree (:mod:`kvtier.ops.runs`) is read in full and checked with
-:func:`kvtier.tiers.fs_io.load_chunk` — the tier's own load path — against its identity: the
+:func:`kvtier.tiers.fs.chunks.load_chunk` — the tier's own load path — against its identity: the
 offload key its path names (:meth:`kvtier.layout.Namespace.key_from_relpath`) and the fingerprint
 of its run *and rank* (:attr:`kvtier.layout.Namespace.fingerprint` of the tree's namespace), so a
 chunk copied over another's name, or into another run's or rank's tree, fails ``wrong_chunk``.
-Reads never follow a link and never open a special file (:mod:`kvtier.tiers.fs_beneath`); nothing
+Reads never follow a link and never open a special file (:mod:`kvtier.tiers.fs.beneath`); nothing
 outside ROOT is reached.
 
 Reasons reported (per file): the trailer's ``short``, ``long``, ``bad_trailer``, ``old_version``,
@@ -19,7 +19,7 @@ engine evicted them) are counted, not problems. Directly under ROOT, invalid run
 orphan trees and links bearing run or tree names are reported as problems and never repaired.
 
 ``--repair`` removes every problem file but the unreadable ones
-(:func:`kvtier.tiers.fs_io.remove_file`: a link is removed itself, never its target; a directory
+(:func:`kvtier.tiers.fs.chunks.remove_file`: a link is removed itself, never its target; a directory
 only when empty). It is safe next to running engines: their loads verify every file, and a file
 removed under them is a miss. The report — every entry to remove, and the summary — is written
 and flushed before anything is removed (with ``--json``, that listing goes to stderr: the
@@ -86,7 +86,8 @@ from kvtier.layout import Namespace
 from kvtier.ops import runs as _runs
 from kvtier.ops.runs import Progress, discover, format_bytes, list_tree, printable_report, run_on_root
 from kvtier.ops.verify_workers import VERDICTS, Checker, CheckRequest, VerifyWorkers
-from kvtier.tiers import fs_beneath, fs_io
+from kvtier.tiers.fs import beneath as fs_beneath
+from kvtier.tiers.fs import chunks as fs_io
 from kvtier.tiers.integrity import MAGIC, TRAILER_PAGE, identity
 
 __all__ = ["run_verify_cli", "build_parser", "verify_root", "REASONS"]

@@ -1,7 +1,7 @@
 """Reading and checking chunk files for ``kvtier verify``: in this process, or in worker processes.
 
 Checking one chunk (:func:`check_file`) is the fs tier's own load path,
-:func:`kvtier.tiers.fs_io.load_chunk`: a contained open (:mod:`kvtier.tiers.fs_beneath`: no link
+:func:`kvtier.tiers.fs.chunks.load_chunk`: a contained open (:mod:`kvtier.tiers.fs.beneath`: no link
 followed, nothing outside the tree reached), one ``preadv`` of the whole file, the trailer's
 length, version, run/rank identity and key, then the xxh3-64 checksum. The read runs without the
 interpreter lock; the checksum and a few µs of Python per file hold it, so threads of one process
@@ -50,9 +50,10 @@ from typing import Annotated
 
 import msgspec
 
-from kvtier.tiers import fs_beneath, fs_io
+from kvtier.tiers.fs import beneath as fs_beneath
+from kvtier.tiers.fs import chunks as fs_io
 from kvtier.tiers.integrity import IDENTITY_SIZE, REJECT_REASONS
-from kvtier.tiers.worker_io import FRAME_HEADER, die_with_parent, import_paths, requests, write_all
+from kvtier.worker_io import FRAME_HEADER, die_with_parent, import_paths, requests, write_all
 
 __all__ = ["VERDICTS", "check_file", "slot_buffer", "Checker", "CheckRequest", "CheckAnswer", "VerifyWorkers",
            "worker_main"]
@@ -103,7 +104,7 @@ def check_file(tree_fd: int, relpath: str, buf: memoryview, chunk_identity: byte
     ``unreadable``: reported, never taken for corrupt. Raises ``OSError`` for what is this
     process's trouble, not the file's (out of descriptors or memory): nothing can be concluded.
     ``nowait``: from the kernel's caches only; ``BlockingIOError`` or ``OSError`` ``EOPNOTSUPP``
-    as :func:`kvtier.tiers.fs_io.load_chunk` raises them (check it without, then)."""
+    as :func:`kvtier.tiers.fs.chunks.load_chunk` raises them (check it without, then)."""
     try:
         return fs_io.load_chunk(tree_fd, relpath, buf, chunk_identity, o_direct=False, nowait=nowait).reason
     except FileNotFoundError:
@@ -145,8 +146,8 @@ class Checker:
     interpreter lock. A file that would wait for the storage is queued for up to ``depth``
     threads (started when first needed) that read it the ordinary way, so a tree on a disk or
     NFS has ``depth`` reads in flight per reader. Where the kernel or the filesystem cannot read
-    without waiting (:func:`kvtier.tiers.fs_io.load_chunk`), a tree's files are read on the
-    submitting thread if its filesystem is memory (tmpfs: :func:`kvtier.tiers.fs_io.in_memory_fs`),
+    without waiting (:func:`kvtier.tiers.fs.chunks.load_chunk`), a tree's files are read on the
+    submitting thread if its filesystem is memory (tmpfs: :func:`kvtier.tiers.fs.chunks.in_memory_fs`),
     else all on the threads.
 
     :meth:`submit` returns once the cached files of a batch are checked and the others queued (it

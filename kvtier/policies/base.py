@@ -1,7 +1,7 @@
 """The pluggable cache-policy interface of the host tier (reference §1.6).
 
 A policy owns the host tier's key → :class:`~kvtier.types.ChunkStatus` map and decides which
-ready, unpinned chunks leave host memory first. The host tier (``kvtier/tiers/cpu.py``) is its
+ready, unpinned chunks leave host memory first. The host tier (``kvtier/host/tier.py``) is its
 only caller and drives it synchronously from the engine's event-loop thread, so policies take no
 locks and never block.
 

@@ -100,7 +100,7 @@ from kvtier.types import CacheHitSource, LookupResult, Medium, OffloadingEvent, 
 if TYPE_CHECKING:
     from kvtier.config import TierConfig
     from kvtier.layout import KVGeometry
-    from kvtier.tiers.slots import SlotBuffer
+    from kvtier.host.slots import SlotBuffer
 
 __all__ = [
     "TierError",

@@ -30,7 +30,7 @@ class SecondaryTierFactory:
     _registry: ClassVar[dict[str, tuple[str, str]]] = {
         "memory": ("kvtier.tiers.memory", "MemoryTier"),
         "faulty": ("kvtier.tiers.faulty", "FaultyTier"),
-        "fs": ("kvtier.tiers.fs", "FileSystemTier"),
+        "fs": ("kvtier.tiers.fs.tier", "FileSystemTier"),
         "obj": ("kvtier.tiers.obj", "ObjectStoreTier"),
         "p2p": ("kvtier.tiers.p2p.tier", "P2PTier"),
     }

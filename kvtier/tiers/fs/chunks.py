@@ -5,16 +5,16 @@ primitives never touch tier bookkeeping; they take a directory descriptor (the r
 held open by the tier), a path relative to it and buffers, and either return or raise ``OSError``
 (mapped to a tier error by the caller).
 
-Containment (:mod:`kvtier.tiers.fs_beneath`): every path is resolved beneath that descriptor
+Containment (:mod:`kvtier.tiers.fs.beneath`): every path is resolved beneath that descriptor
 without following a symbolic link at any level, and only regular files are read, so a link or a
 special file planted in the tree never redirects a read or a write and never blocks a worker;
-it surfaces as :class:`~kvtier.tiers.fs_beneath.UnsafeEntry` (reads: the ``not_regular`` verdict).
+it surfaces as :class:`~kvtier.tiers.fs.beneath.UnsafeEntry` (reads: the ``not_regular`` verdict).
 
 Atomic publication (:func:`write_chunk`): bytes go to a unique temporary name *in the destination
 directory* (``<name>_<random 63-bit int>.tmp``, opened ``O_EXCL``) and are renamed over the final
 name, so a reader sees either no file or a complete one; a failed write removes its temporary file,
 and a crash leaves at most a stray ``.tmp`` file, which the fs tier's scan
-(:func:`kvtier.tiers.fs_scan.walk_tops`) removes once it is older than a grace period. No ``fsync``: chunks are a cache, losing the last ones on power failure only
+(:func:`kvtier.tiers.fs.scan.walk_tops`) removes once it is older than a grace period. No ``fsync``: chunks are a cache, losing the last ones on power failure only
 costs a recompute, and the trailer check catches torn pages.
 """
 
@@ -38,9 +38,9 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
-from kvtier.tiers import fs_beneath
-from kvtier.tiers.fs_beneath import UnsafeEntry
-from kvtier.tiers.fs_scan import PROBE_PREFIX
+from kvtier.tiers.fs import beneath as fs_beneath
+from kvtier.tiers.fs.beneath import UnsafeEntry
+from kvtier.tiers.fs.scan import PROBE_PREFIX
 from kvtier.tiers.integrity import (
     TRAILER_PAGE,
     SizeClass,
@@ -106,7 +106,7 @@ def _scratch_page() -> memoryview:
 def probe_o_direct(dir_fd: int) -> bool:
     """Whether the filesystem of directory ``dir_fd`` accepts an aligned ``O_DIRECT`` write
     (tmpfs, overlayfs and some NFS mounts do not). Writes and deletes one hidden probe file
-    (``PROBE_PREFIX_<n>``); one left by a crash is swept by the start-up scan (:mod:`kvtier.tiers.fs_scan`)."""
+    (``PROBE_PREFIX_<n>``); one left by a crash is swept by the start-up scan (:mod:`kvtier.tiers.fs.scan`)."""
     if not _O_DIRECT:
         return False
     name = f"{PROBE_PREFIX}_{secrets.randbits(63)}"
@@ -217,7 +217,7 @@ def _open_for_read(dir_fd: int, relpath: str, o_direct: bool, *, regular_only: b
     does not own (a ``root_dir`` shared between users): those open without it. ``O_DIRECT`` is
     dropped (``EINVAL``) for a file on a filesystem without it (a mount below ``root_dir``).
     Raises :class:`UnsafeEntry` for anything but a regular file reached without links (see
-    :func:`~kvtier.tiers.fs_beneath.open_file` for ``regular_only`` and ``cached_only``).
+    :func:`~kvtier.tiers.fs.beneath.open_file` for ``regular_only`` and ``cached_only``).
     """
     flags = os.O_RDONLY | _O_NOATIME | (_O_DIRECT if o_direct else 0)
     while True:
@@ -331,7 +331,7 @@ def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes
 
 def remove_file(dir_fd: int, relpath: str) -> bool:
     """Delete what is at ``relpath`` beneath ``dir_fd`` without following links (see
-    :func:`~kvtier.tiers.fs_beneath.remove_entry`); ``False`` if it was already gone (not an
+    :func:`~kvtier.tiers.fs.beneath.remove_entry`); ``False`` if it was already gone (not an
     error: others share the tree)."""
     return fs_beneath.remove_entry(dir_fd, relpath)
 

@@ -16,8 +16,8 @@ the next pass lists it again.
 A pass is :func:`list_root` (names only), then :class:`WalkRequest` s of a few top directories
 each, answered by :func:`walk_tops` with :class:`ScanBatch` es. Requests and batches are msgspec
 structs so that a scan worker process (:func:`worker_main`, driven by
-:mod:`kvtier.tiers.fs_scan_workers`) can walk a big tree off the event loop's interpreter. This
-module imports nothing of kvtier's but :mod:`kvtier.tiers.worker_io`: a worker starts in ~0.1 s.
+:mod:`kvtier.tiers.fs.scan_workers`) can walk a big tree off the event loop's interpreter. This
+module imports nothing of kvtier's but :mod:`kvtier.worker_io`: a worker starts in ~0.1 s.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from kvtier.tiers.worker_io import FRAME_HEADER, die_with_parent, requests, write_all
+from kvtier.worker_io import FRAME_HEADER, die_with_parent, requests, write_all
 
 __all__ = [
     "MAX_KEY_BYTES", "PROBE_PREFIX", "TOPS", "DIR1", "DIR2", "TMP", "PROBE_NAME", "DIR_FLAGS",

@@ -13,7 +13,7 @@ trio). Leaving the block closes everything:
   reported, threads are joined (shielded: this part always runs to the end);
 * from the moment closing starts every public method raises :class:`kvtier.EngineClosedError`.
 
-Call arguments are checked at the call, before any work is queued (``kvtier.arguments``).
+Call arguments are checked at the call, before any work is queued (``kvtier.engine.arguments``).
 
 ``kvtier.start_in_thread(...)`` runs the same engine on an event loop in a background thread and
 returns a blocking, thread-safe facade for callers without an event loop.
@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
-from kvtier.arguments import check_block_ids, count, int_ids
+from kvtier.engine.arguments import check_block_ids, count, int_ids
 from kvtier.config import EngineConfig, redact
 from kvtier.context import RequestContext
 from kvtier.errors import ConfigError, EngineClosedError, trim_traceback
@@ -56,14 +56,14 @@ if sys.version_info < (3, 11):  # pragma: no cover - anyio depends on the backpo
 if TYPE_CHECKING:
     import torch
 
-    from kvtier.layerwise import BlockingLayerwiseLoad, LayerwiseLoad
+    from kvtier.engine.layerwise import BlockingLayerwiseLoad, LayerwiseLoad
     from kvtier.tiers.base import SecondaryTier
-    from kvtier.tiers.copy_engine import CopyEngine, CopyOrder, CopyResult, Direction
-    from kvtier.tiers.cpu import HostTier
+    from kvtier.host.copy_engine import CopyEngine, CopyOrder, CopyResult, Direction
+    from kvtier.host.tier import HostTier
 
 __all__ = ["Engine", "LoadOutcome", "open", "start_in_thread", "ThreadedEngine", "CopyStatistics"]
 
-logger = logging.getLogger("kvtier.api")
+logger = logging.getLogger("kvtier.engine.engine")
 
 #: How long ``load``/``store`` wait for promotions, probes or free host slots before giving up
 #: (the request then recomputes / is not offloaded). Overridable per engine.
@@ -241,7 +241,7 @@ class Engine:
 
     # ------------------------------------------------------------------ construction
     def _build_host(self) -> None:
-        from kvtier.tiers.cpu import HostTier
+        from kvtier.host.tier import HostTier
 
         cfg = self.config
         unused = cfg.cpu_bytes_to_use - self.host_bytes
@@ -316,7 +316,7 @@ class Engine:
             )
         self._build_host()
         if self.device_kv is not None:
-            from kvtier.tiers.copy_engine import make_copy_engine
+            from kvtier.host.copy_engine import make_copy_engine
 
             self.copy_engine = make_copy_engine(
                 self.device_kv, self.geometry, self.blocks_per_chunk, self.host.buffer, tp_rank=self.tp_rank
@@ -439,7 +439,7 @@ class Engine:
 
     async def _copy(self, direction: Direction, slot_ids: list[int], block_ids: list[int],
                     order: CopyOrder | None) -> CopyResult:
-        from kvtier.tiers.copy_engine import CopyJob
+        from kvtier.host.copy_engine import CopyJob
 
         if self.copy_engine is None:
             raise RuntimeError("this engine was opened without device_kv; it cannot copy KV")
@@ -590,7 +590,7 @@ class Engine:
         bad ones raise ``TypeError``/``ValueError`` naming the argument.
         Raises :class:`kvtier.EngineClosedError` once the engine is closing.
 
-        With CUDA ``device_kv`` (ordering, ``kvtier.tiers.copy_engine``): the copy overwrites the
+        With CUDA ``device_kv`` (ordering, ``kvtier.host.copy_engine``): the copy overwrites the
         blocks only after the work enqueued on ``stream`` before this call — default: the calling
         thread's current stream, as it is when this is called — or after the event ``after``;
         when this returns, ``stream`` waits for the copy, so kernels enqueued there afterwards read
@@ -742,7 +742,7 @@ class Engine:
         keys (see :class:`Engine`): only a call with the same ones finds them. Raises
         :class:`kvtier.EngineClosedError` once the engine is closing.
 
-        With CUDA ``device_kv`` (ordering, ``kvtier.tiers.copy_engine``): the copy reads the
+        With CUDA ``device_kv`` (ordering, ``kvtier.host.copy_engine``): the copy reads the
         blocks only after the work enqueued on ``stream`` before this call — default: the calling
         thread's current stream, as it is when this is called; write the KV there, or pass the
         stream that does — or after the event ``after``. ``stream``/``after`` with CPU tensors
@@ -927,14 +927,14 @@ class Engine:
                        mm_items: Sequence[tuple[str, int, int]] | None = None,
                        prompt_embeds: torch.Tensor | None = None, stream: Any = None,
                        after: Any = None) -> LayerwiseLoad:
-        """:meth:`load`, delivered layer group by layer group (semantics: ``kvtier.layerwise``).
+        """:meth:`load`, delivered layer group by layer group (semantics: ``kvtier.engine.layerwise``).
 
         ``async with engine.load_layerwise(...) as layers:`` stages the load as :meth:`load`
         does (the same code: promotions awaited, ``max_load_tokens``, pins); ``layers.tokens`` is
         then what :meth:`load` would return, and
         ``async for group in layers`` yields each ``LayerGroup(start, stop)`` of
         ``layers_per_group`` layers once its bytes are on the device, in layer order. A failed
-        copy raises :class:`kvtier.layerwise.LayerwiseLoadError` from the iteration: recompute
+        copy raises :class:`kvtier.engine.layerwise.LayerwiseLoadError` from the iteration: recompute
         the whole prefix. Leaving the block waits for the copies in flight, then unpins.
 
         Arguments are checked at the call as for :meth:`load` (the block ids on entering), the
@@ -944,7 +944,7 @@ class Engine:
         ``stream``/``after`` order the copies as for :meth:`load`, captured at this call; each
         group's copy is handed over to ``stream`` as the group is yielded.
         """
-        from kvtier.layerwise import LayerwiseLoad, check_layers_per_group
+        from kvtier.engine.layerwise import LayerwiseLoad, check_layers_per_group
 
         self._check_open("load_layerwise")
         extras = _request_keys(cache_salt, lora_name, lora_path, mm_items, prompt_embeds)
@@ -1203,7 +1203,7 @@ class ThreadedEngine:
                        after: Any = None) -> BlockingLayerwiseLoad:
         """Blocking :meth:`Engine.load_layerwise`: ``with engine.load_layerwise(...) as layers:``
         then ``for group in layers:``, each step blocking until that group is on the device."""
-        from kvtier.layerwise import BlockingLayerwiseLoad
+        from kvtier.engine.layerwise import BlockingLayerwiseLoad
 
         order = self._order(stream, after)
         load = self._call("load_layerwise", lambda: self.engine.load_layerwise(

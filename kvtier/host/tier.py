@@ -3,7 +3,7 @@
 :class:`HostTier` decides which host slot holds which chunk, pins chunks while a copy reads them,
 evicts by a pluggable :class:`~kvtier.policies.base.CachePolicy`, and announces residency changes
 as :class:`~kvtier.types.OffloadingEvent` s. It does **no I/O and never blocks**: the bytes live in
-:attr:`HostTier.buffer` and are moved by a copy engine (``kvtier.tiers.copy_engine``) or a
+:attr:`HostTier.buffer` and are moved by a copy engine (``kvtier.host.copy_engine``) or a
 secondary tier, both driven by the engine. Every method is called from the engine's event-loop
 thread, so nothing here takes a lock.
 
@@ -35,8 +35,8 @@ from kvtier.types import ChunkStatus, LookupResult, Medium, OffloadingEvent
 
 if TYPE_CHECKING:
     from kvtier.policies.base import CachePolicy
-    from kvtier.tiers.copy_engine import CopyEngine
-    from kvtier.tiers.slots import SlotBuffer
+    from kvtier.host.copy_engine import CopyEngine
+    from kvtier.host.slots import SlotBuffer
 
 __all__ = [
     "HostTier",
@@ -162,7 +162,7 @@ class HostTier:
     def buffer(self) -> SlotBuffer:
         """The host slot buffer, allocated on first use (pinned when CUDA is available)."""
         if self._buffer is None:
-            from kvtier.tiers.slots import SlotBuffer
+            from kvtier.host.slots import SlotBuffer
 
             self._buffer = SlotBuffer(self.num_slots, self.slot_bytes, pin_memory=self._pin_memory)
         return self._buffer

@@ -9,12 +9,12 @@ Every process and rank using the same ``root_dir`` and run configuration shares 
 
 Semantics callers rely on:
 
-* **Atomic, content-addressed writes** (:func:`kvtier.tiers.fs_io.write_chunk`): a reader sees no
+* **Atomic, content-addressed writes** (:func:`kvtier.tiers.fs.chunks.write_chunk`): a reader sees no
   file or a complete one; an existing final file of the trailered size is a finished chunk and is
   not rewritten (anything else under its name is replaced). Stray temporary, probe and
   ``config.json`` temporary files of crashed writers are removed at start-up once older than
   ``stale_tmp_grace_s``.
-* **Containment** (:mod:`kvtier.tiers.fs_beneath`): the tier holds its block tree open and
+* **Containment** (:mod:`kvtier.tiers.fs.beneath`): the tier holds its block tree open and
   resolves every path beneath it without following a symbolic link at any level; only regular
   files are opened, never blocking. A link or special file where a chunk or shard directory
   belongs is never followed: it is removed and counted (reason ``not_regular``) by the load,
@@ -38,11 +38,11 @@ Semantics callers rely on:
   that runs in the background (recency seeded from mtimes; until it is over the unscanned rest
   counts as full, so a store evicts as much as it adds), then re-synchronised every
   ``rescan_interval_s`` with what other processes added or deleted — listing only the shard
-  directories whose mtime moved (:mod:`kvtier.tiers.fs_scan`); a rescan never drops a chunk this
+  directories whose mtime moved (:mod:`kvtier.tiers.fs.scan`); a rescan never drops a chunk this
   process confirmed after it started listing. Trees of more than a few hundred top directories
   are walked by up to two worker processes at the lowest CPU priority
-  (:mod:`kvtier.tiers.fs_scan_workers`): the event loop only applies what they found. The index
-  (:mod:`kvtier.tiers.fs_index`) holds no Python object per chunk. Several engines (or processes) sharing a tree each hold the cap for
+  (:mod:`kvtier.tiers.fs.scan_workers`): the event loop only applies what they found. The index
+  (:mod:`kvtier.tiers.fs.index`) holds no Python object per chunk. Several engines (or processes) sharing a tree each hold the cap for
   what they know of; together they converge at their rescans.
 * **Whole jobs per hand-off**: the tier implements the base's batch hooks
   (:meth:`FileSystemTier.write_many` / :meth:`FileSystemTier.read_many`): a job's chunks are
@@ -76,11 +76,12 @@ from anyio.abc import TaskStatus
 
 from kvtier.errors import ConfigError
 from kvtier.layout import Namespace, namespace
-from kvtier.tiers import fs_beneath, fs_io
+from kvtier.tiers.fs import beneath as fs_beneath
+from kvtier.tiers.fs import chunks as fs_io
 from kvtier.tiers.base import ChunkCorrupt, ChunkNotFound, SecondaryTier, TierContext, TierIOError
-from kvtier.tiers.fs_index import ChunkIndex, leaf_of
-from kvtier.tiers.fs_io import DualQueuePool, IOQueue, usable_cpus
-from kvtier.tiers.fs_scan import (
+from kvtier.tiers.fs.index import ChunkIndex, leaf_of
+from kvtier.tiers.fs.chunks import DualQueuePool, IOQueue, usable_cpus
+from kvtier.tiers.fs.scan import (
     LeafListing,
     LeafMtimes,
     PassPlan,
@@ -91,7 +92,7 @@ from kvtier.tiers.fs_scan import (
     list_root,
     walk_tops,
 )
-from kvtier.tiers.fs_scan_workers import ScanWorkers, ScanWorkerStartError
+from kvtier.tiers.fs.scan_workers import ScanWorkers, ScanWorkerStartError
 from kvtier.tiers.integrity import (
     ACCEPTED_VERIFIED,
     REJECT_REASONS,
@@ -119,7 +120,7 @@ _TOPS_PER_REQUEST = 1
 #: unpaced one).
 _TOPS_PER_PACED_REQUEST = 8
 #: Trees with more top directories than this are walked by worker processes
-#: (:mod:`kvtier.tiers.fs_scan_workers`), smaller ones on a pool thread (a few ms).
+#: (:mod:`kvtier.tiers.fs.scan_workers`), smaller ones on a pool thread (a few ms).
 _IN_THREAD_TOPS = 512
 #: Worker processes a walk uses at most.
 _SCAN_WORKERS = 2

@@ -4,10 +4,10 @@ A pass over 10^6 chunk files is ~1.7·10^6 ``stat`` calls and as many small step
 on a thread of the engine's process it would share the interpreter lock with the event loop, so
 every transfer of every tier would wait behind it (a thread holding the lock keeps it up to
 ``sys.getswitchinterval()``, 5 ms, at a time). So the fs tier hands big walks to worker
-processes: each one is ``python -I`` running :func:`kvtier.tiers.fs_scan.worker_main`, holding the
+processes: each one is ``python -I`` running :func:`kvtier.tiers.fs.scan.worker_main`, holding the
 tree's descriptor (passed at start; it walks it with the same no-follow rules) and answering
-:class:`~kvtier.tiers.fs_scan.WalkRequest` frames on its stdin with
-:class:`~kvtier.tiers.fs_scan.ScanBatch` frames on its stdout. The loop only decodes batches
+:class:`~kvtier.tiers.fs.scan.WalkRequest` frames on its stdin with
+:class:`~kvtier.tiers.fs.scan.ScanBatch` frames on its stdout. The loop only decodes batches
 (msgspec, validated: a worker's output is bounded and typed like any input) and applies them.
 
 Workers start on a tier's first big pass and are kept for the next ones; a worker whose pass was
@@ -36,9 +36,9 @@ import anyio.lowlevel
 import msgspec
 
 import kvtier
-from kvtier.tiers import fs_scan
-from kvtier.tiers.fs_scan import BATCH_HEADER, FRAME_HEADER, PassPlan, ScanBatch, WalkRequest
-from kvtier.tiers.worker_io import import_paths
+from kvtier.tiers.fs import scan as fs_scan
+from kvtier.tiers.fs.scan import BATCH_HEADER, FRAME_HEADER, PassPlan, ScanBatch, WalkRequest
+from kvtier.worker_io import import_paths
 
 __all__ = ["ScanWorker", "ScanWorkers", "ScanWorkerStartError"]
 
@@ -46,7 +46,7 @@ __all__ = ["ScanWorker", "ScanWorkers", "ScanWorkerStartError"]
 _MAX_BATCH_BYTES = 1 << 30
 _STDERR_KEPT = 4096  # of a dead worker's stderr, for the error message
 _BOOT = ("import sys; sys.path[:0] = sys.argv[3:]; "
-         "from kvtier.tiers.fs_scan import worker_main; worker_main(sys.argv[1:3])")
+         "from kvtier.tiers.fs.scan import worker_main; worker_main(sys.argv[1:3])")
 _DECODER = msgspec.msgpack.Decoder(ScanBatch)
 _ENCODER = msgspec.msgpack.Encoder()
 

@@ -31,7 +31,7 @@ from array import array
 from collections.abc import Iterable, Iterator
 
 from kvtier.tiers.base import TierIOError
-from kvtier.tiers.fs_scan import MAX_KEY_BYTES
+from kvtier.tiers.fs.scan import MAX_KEY_BYTES
 
 __all__ = ["ChunkIndex", "MAX_KEY_BYTES", "leaf_of"]
 

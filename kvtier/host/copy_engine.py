@@ -17,7 +17,7 @@ page_bytes``, i.e. the slot viewed as ``[bpc, num_layers, 2, block_size, all_hea
 A rank copies into its head slice of every page, so ``tp_size`` ranks together fill one slot.
 
 A job may be restricted to a range of layers (``CopyJob.layers``): layer-wise loading
-(``kvtier.layerwise``) submits one job per group of layers, in layer order, so a caller can
+(``kvtier.engine.layerwise``) submits one job per group of layers, in layer order, so a caller can
 compute layer ``i`` while layer ``i + 1`` is still copying. Such a job is reported as soon as its
 own copies are done (the CPU engine never holds its result back for other jobs), and a job not
 yet started can be withdrawn with :meth:`CopyEngine.cancel`.
@@ -63,7 +63,7 @@ from kvtier.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvtier.layout import KVGeometry
-    from kvtier.tiers.slots import SlotBuffer
+    from kvtier.host.slots import SlotBuffer
 
 __all__ = [
     "CopyJob",

@@ -1,4 +1,4 @@
-"""What kvtier's helper processes share: the fs tier's scan workers (:mod:`kvtier.tiers.fs_scan`)
+"""What kvtier's helper processes share: the fs tier's scan workers (:mod:`kvtier.tiers.fs.scan`)
 and ``kvtier verify``'s (:mod:`kvtier.ops.verify_workers`). Each is ``python -I -c BOOT`` talking
 length-prefixed msgspec frames on its stdin and stdout. Imports nothing of kvtier's, so a worker
 that imports this starts fast.

@@ -40,7 +40,7 @@ Semantics callers rely on:
 * **Ordering (CUDA).** The copies wait for the caller's stream as it was at
   ``load_layerwise(...)`` (or for its ``after`` event), and as each group is yielded the caller's
   stream is made to wait for that group's copy: kernels enqueued on it after the ``async for``
-  step read the group's KV (``kvtier.tiers.copy_engine``, "Ordering").
+  step read the group's KV (``kvtier.host.copy_engine``, "Ordering").
 * **Misuse raises at once**: ``layers_per_group`` not an int >= 1 (``TypeError``/``ValueError``)
   and an engine opened without ``device_kv`` (``RuntimeError``) at the call; bad ids as for
   ``load`` (``TypeError``/``ValueError``: ids at the call, block ids on entry); entering twice,
@@ -54,7 +54,7 @@ Semantics callers rely on:
 the calling thread until the next group is on the device.
 
 The engine's internals this module relies on are listed in :class:`LoadingEngine`; it sits below
-``kvtier.api`` (it imports it only for type checking) and above the copy engines.
+``kvtier.engine.engine`` (it imports it only for type checking) and above the copy engines.
 """
 
 from __future__ import annotations
@@ -73,14 +73,14 @@ import anyio
 from kvtier.errors import KvtierError
 
 if TYPE_CHECKING:
-    from kvtier.api import StagedLoad
+    from kvtier.engine.engine import StagedLoad
     from kvtier.keys import RequestExtraKeys
     from kvtier.layout import KVGeometry
-    from kvtier.tiers.copy_engine import CopyEngine, CopyOrder, CopyResult
+    from kvtier.host.copy_engine import CopyEngine, CopyOrder, CopyResult
 
 __all__ = ["LayerGroup", "LayerwiseLoad", "LayerwiseLoadError", "BlockingLayerwiseLoad", "layer_groups"]
 
-logger = logging.getLogger("kvtier.layerwise")
+logger = logging.getLogger("kvtier.engine.layerwise")
 
 #: How long a wait for a copy result lasts before this load dispatches the results itself (the
 #: engine's drive task normally does at once; this covers an engine whose drive task stopped).
@@ -292,7 +292,7 @@ class LayerwiseLoad:
                 self._copies.append(self._submit(staged.slot_ids, staged.block_ids, group))
 
     def _submit(self, slot_ids: list[int], blocks: list[int], group: LayerGroup) -> _GroupCopy:
-        from kvtier.tiers.copy_engine import CopyJob
+        from kvtier.host.copy_engine import CopyJob
 
         engine = self._engine
         copy_engine = engine.copy_engine

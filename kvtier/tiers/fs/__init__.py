@@ -1,0 +1,1 @@
+"""The filesystem tier: one chunk per file under a shared directory tree."""
