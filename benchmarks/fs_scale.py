@@ -56,8 +56,8 @@ sys.path[:0] = [_ROOT]
 import anyio  # noqa: E402
 
 import kvtier  # noqa: E402
-from kvtier.tiers.fs.tier import FileSystemTier  # noqa: E402
 from kvtier.tiers.fs.index import ChunkIndex  # noqa: E402
+from kvtier.tiers.fs.tier import FileSystemTier  # noqa: E402
 from kvtier.tiers.integrity import stored_size  # noqa: E402
 
 GEOMETRY = kvtier.KVGeometry("bench/fs-scale", num_layers=4, num_kv_heads=8, head_dim=128, dtype="float16",
@@ -136,7 +136,7 @@ def cpu_now(tier: FileSystemTier | None = None) -> float:
     for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
         usage = resource.getrusage(who)
         total += usage.ru_utime + usage.ru_stime
-    for pid in tier._workers.pids if tier is not None else ():
+    for pid in tier.sync.workers.pids if tier is not None else ():
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:

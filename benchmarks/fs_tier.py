@@ -66,13 +66,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvtier.config import TierConfig
+from kvtier.host.slots import SlotBuffer
 from kvtier.keys import make_offload_key
 from kvtier.layout import KVGeometry, namespace
-from kvtier.tiers.fs import chunks as fs_io
 from kvtier.tiers.base import JobResult, TierContext, TransferJob
+from kvtier.tiers.fs import chunks
+from kvtier.tiers.fs.pool import usable_cpus
 from kvtier.tiers.fs.tier import FileSystemTier
 from kvtier.tiers.integrity import checksum
-from kvtier.host.slots import SlotBuffer
 
 CHUNKS_PER_JOB = 64
 GiB = float(1 << 30)
@@ -167,12 +168,12 @@ def forced_buffered(enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
-    probe = fs_io.probe_o_direct
-    fs_io.probe_o_direct = lambda directory: False  # type: ignore[assignment]
+    probe = chunks.probe_o_direct
+    chunks.probe_o_direct = lambda directory: False  # type: ignore[assignment]
     try:
         yield
     finally:
-        fs_io.probe_o_direct = probe  # type: ignore[assignment]
+        chunks.probe_o_direct = probe  # type: ignore[assignment]
 
 
 class VllmFs:
@@ -490,7 +491,7 @@ def main() -> None:
 
     contenders = "raw, kvtier" + (f" and vLLM {vllm.version}" if vllm is not None else "")
     print(f"fs tier: {contenders}, {args.jobs} jobs x {CHUNKS_PER_JOB} chunks, {args.threads} threads, "
-          f"median of {args.repeats} interleaved trials, {fs_io.usable_cpus()} usable cores, root {root}")
+          f"median of {args.repeats} interleaved trials, {usable_cpus()} usable cores, root {root}")
     print_tables(rows, vllm is not None)
     if vllm is None:
         print(f"{why_not}: the comparison with vLLM's fs tier was skipped")

@@ -28,13 +28,15 @@ import torch
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from kvtier.context import RequestContext
+from kvtier.host.copy_engine import CopyEngine
+from kvtier.host.copy_factory import make_copy_engine
+from kvtier.host.copy_jobs import CopyJob
+from kvtier.host.slots import SlotBuffer
+from kvtier.host.tier import HostTier
 from kvtier.keys import make_offload_key
 from kvtier.layout import KVGeometry
-from kvtier.host.copy_engine import CopyEngine, CopyJob, make_copy_engine
-from kvtier.context import RequestContext
 from kvtier.manager import TieringManager
-from kvtier.host.tier import HostTier
-from kvtier.host.slots import SlotBuffer
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -205,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     print(f"host copy engine ({args.device}), {total // MIB} MiB per direction per repeat, median of {args.repeats}")
     if args.device == "cpu":
-        print(f"{'chunk':>8} {'layout':>12} {'blocks':>10} {'store/raw':>10} {'load/raw':>9} {'store GiB/s':>12} {'load GiB/s':>11} {'raw GiB/s':>10}")
+        print(f"{'chunk':>8} {'layout':>12} {'blocks':>10} {'store/raw':>10} {'load/raw':>9} "
+              f"{'store GiB/s':>12} {'load GiB/s':>11} {'raw GiB/s':>10}")
     else:
         print(f"{'chunk':>8} {'layout':>12} {'blocks':>10} {'store GiB/s':>12} {'load GiB/s':>11}")
     for size in sizes:

@@ -20,17 +20,17 @@ import time
 from typing import Any
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests")]
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests", "support")]
 os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
 
 from s3server import DUMMY_ACCESS_KEY, DUMMY_SECRET_KEY, S3Server  # noqa: E402
 
 from kvtier.config import EngineConfig  # noqa: E402
+from kvtier.host.slots import SlotBuffer  # noqa: E402
 from kvtier.keys import make_offload_key  # noqa: E402
 from kvtier.layout import KVGeometry  # noqa: E402
 from kvtier.tiers.base import TierContext, TransferJob  # noqa: E402
 from kvtier.tiers.obj import ObjectStoreTier  # noqa: E402
-from kvtier.host.slots import SlotBuffer  # noqa: E402
 
 MIB = 1 << 20
 # 32 layers x one 16-token block of 8 heads x 128 dims in fp16 = 2 MiB per chunk.

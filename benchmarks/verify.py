@@ -45,19 +45,20 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests")]
+sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests", "support")]
 
 import anyio  # noqa: E402
 import xxhash  # noqa: E402
 
+from kvtier.host.slots import SlotBuffer  # noqa: E402
 from kvtier.keys import make_offload_key  # noqa: E402
 from kvtier.layout import KVGeometry  # noqa: E402
 from kvtier.ops.runs import discover, list_tree, open_root  # noqa: E402
-from kvtier.ops.verify import _IO_DEPTH, verify_root  # noqa: E402
-from kvtier.tiers.fs import chunks as fs_io  # noqa: E402
+from kvtier.ops.verify import IO_DEPTH, verify_root  # noqa: E402
 from kvtier.tiers.base import TransferJob  # noqa: E402
+from kvtier.tiers.fs.chunks import in_memory_fs  # noqa: E402
+from kvtier.tiers.fs.pool import usable_cpus  # noqa: E402
 from kvtier.tiers.integrity import TRAILER_PAGE  # noqa: E402
-from kvtier.host.slots import SlotBuffer  # noqa: E402
 
 GIB = 1 << 30
 _BATCH = 32
@@ -67,7 +68,7 @@ _job_ids = itertools.count(1)
 
 def write_tree(root: Path, chunks: int, chunk_kib: int) -> KVGeometry:
     """``chunks`` chunk files of ``chunk_kib`` KiB (payload) written by the fs tier under ``root``."""
-    from test_fs_tier import finish, make_tier, running
+    from fs_tiers import finish, make_tier, running
 
     # One 16-token block of 8 heads x 128 dims in fp16 is 64 KiB per layer.
     layers = max(1, chunk_kib // 64)
@@ -188,9 +189,9 @@ def main() -> None:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--chunks", type=int, default=1024, help="chunk files")
     parser.add_argument("--chunk-kib", type=int, default=256, help="payload KiB per chunk (multiple of 64)")
-    parser.add_argument("--readers", type=int, default=fs_io.usable_cpus(),
+    parser.add_argument("--readers", type=int, default=usable_cpus(),
                         help="readers of both: raw threads, verify workers")
-    parser.add_argument("--io-depth", type=int, default=_IO_DEPTH,
+    parser.add_argument("--io-depth", type=int, default=IO_DEPTH,
                         help="verify's reads in flight for files not in the page cache, and raw deep's threads")
     parser.add_argument("--trials", type=int, default=5, help="interleaved trials")
     parser.add_argument("--passes", type=int, default=3, help="reads of the whole tree per trial and reader")
@@ -221,7 +222,7 @@ def main() -> None:
             total_bytes = sum(f[2] for f in files)
             cold = args.page_cache == "cold" and evictable(files)
             print(f"{len(files)} chunk files x {geometry.slot_bytes(1) // 1024} KiB + trailer page "
-                  f"({total_bytes / (1 << 20):.1f} MiB), {args.readers} readers, {fs_io.usable_cpus()} usable cores, "
+                  f"({total_bytes / (1 << 20):.1f} MiB), {args.readers} readers, {usable_cpus()} usable cores, "
                   f"page cache {'cold (evicted before every read)' if cold else 'warm'}")
             forked = ForkedRawReader(files, args.readers)
             hashing = ForkedRawReader(files, args.readers, checksum=True)
@@ -287,7 +288,7 @@ def evictable(files: list[tuple[int, str, int]]) -> bool:
     cached (tmpfs keeps it: its pages are the file). Says so when it does not."""
     evict(files[:1])
     dir_fd, relpath, _ = files[0]
-    if not fs_io.in_memory_fs(dir_fd):
+    if not in_memory_fs(dir_fd):
         fd = os.open(relpath, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
         try:
             os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT)

@@ -30,7 +30,8 @@ divide each call by the job's chunks; ``get_finished_jobs`` calls that returned 
 the chunks of the jobs they returned; ``on_schedule_end`` calls that flushed a probe batch divide
 by the keys first looked up in that step; ``on_new_request``/``on_request_finished`` divide by the
 request's chunks; an ``on_schedule_end`` that flushed no probe but followed submits divides by
-those jobs' chunks (kvtier hands a step's jobs to its event loop there, in one wake-up). The two implementations do some work in different calls (kvtier applies
+those jobs' chunks (kvtier hands a step's jobs to its event loop there, in one wake-up). The two
+implementations do some work in different calls (kvtier applies
 verdicts and job results on whichever call finds its inbox non-empty; vLLM drains probe results
 in the first lookup after a flush and in ``on_schedule_end``), so the per-phase totals — every
 productive call of the phase over its chunks — are the fair comparison. Idle polls (a

@@ -1,6 +1,6 @@
 """An out-of-tree secondary tier: chunks kept zlib-compressed in process memory.
 
-``ZlibMemoryTier`` shows everything a tier author writes (see ``kvtier/tiers/base.py``): four
+``ZlibMemoryTier`` shows everything a tier author writes (see docs/tiers.md, "Your own tier"): four
 primitives (``write``, ``read``, ``delete``, ``known``), option validation, capacity eviction
 reported through ``emit_removed``/``record_eviction``/``set_usage``, and a tier-specific metric.
 The framework supplies the rest: job channels, concurrency limits, lookup verdicts, statistics
@@ -69,6 +69,9 @@ class ZlibMemoryTier(SecondaryTier):
 
     tier_type: ClassVar[str] = "zlib-memory"
     medium: ClassVar[Medium | None] = Medium.CPU
+    # Capabilities are declared: this tier deletes chunks and takes recency hints.
+    supports_delete: ClassVar[bool] = True
+    supports_touch: ClassVar[bool] = True
 
     def __init__(self, config: TierConfig, context: TierContext, **tunables: Any) -> None:
         super().__init__(config, context, **tunables)

@@ -15,7 +15,7 @@ stored, byte for byte.
 Without an importable ucxx it prints one line naming the extra and exits with status 2.
 
 The control messages (handshake, fetch, transfer-done) go over ZeroMQ; without an ``auth`` entry
-the peers are unauthenticated (kvtier logs a warning once) — see README "Peer-to-peer tier".
+the peers are unauthenticated (kvtier logs a warning once) — see docs/tiers.md, "Peer-to-peer".
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ _EXPORTS: dict[str, str] = {
     "TieringManager": "kvtier.manager",
     "Engine": "kvtier.engine.engine",
     "open": "kvtier.engine.engine",
-    "start_in_thread": "kvtier.engine.engine",
+    "start_in_thread": "kvtier.engine.threaded",
     "LoadOutcome": "kvtier.engine.engine",
     "EngineMetrics": "kvtier.metrics",
     "serve_metrics": "kvtier.metrics",
@@ -57,13 +57,14 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvtier.engine.engine import Engine, LoadOutcome, open, start_in_thread
     from kvtier.config import EngineConfig, RequestParams, TierConfig, TierFilter
-    from kvtier.metrics import EngineMetrics, serve_metrics
     from kvtier.context import RequestContext
+    from kvtier.engine.engine import Engine, LoadOutcome, open
+    from kvtier.engine.layerwise import LayerGroup, LayerwiseLoadError
+    from kvtier.engine.threaded import start_in_thread
     from kvtier.errors import ConfigError, EngineClosedError, RequestError
     from kvtier.keys import MultimodalItem, RequestExtraKeys
-    from kvtier.engine.layerwise import LayerGroup, LayerwiseLoadError
     from kvtier.layout import KVGeometry
     from kvtier.manager import TieringManager
+    from kvtier.metrics import EngineMetrics, serve_metrics
     from kvtier.types import Locality, LookupResult, Medium, OffloadingEvent

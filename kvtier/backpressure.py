@@ -1,4 +1,4 @@
-"""Back-pressure: shed cascade stores to a secondary tier that cannot keep up (reference §2.12).
+"""Back-pressure: shed cascade stores to a secondary tier that cannot keep up.
 
 Semantics callers rely on:
 

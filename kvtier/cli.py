@@ -7,8 +7,8 @@ Dispatch is table-driven: :data:`COMMANDS` maps a command name to its one-line h
 so a command whose module (or one of its optional dependencies) is missing fails with one line
 on stderr and exit status 2, and every other command keeps working.
 
-Helpers for the commands' own parsers: :class:`CliParser` (one-line errors, exit status 2, defaults
-shown in ``--help``) and :func:`exit_codes_epilog`.
+The conventions the commands' own parsers share (:class:`~kvtier.ops.cli_args.CliParser`,
+:func:`~kvtier.ops.cli_args.exit_codes_epilog`) live in :mod:`kvtier.ops.cli_args`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,15 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import NoReturn, TextIO
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as dist_version
+from typing import TextIO
 
-__all__ = ["main", "COMMANDS", "CliParser", "exit_codes_epilog", "version"]
+from kvtier import __version__
+from kvtier.config.schema import did_you_mean
+from kvtier.ops.cli_args import CliParser, exit_codes_epilog
+
+__all__ = ["main", "COMMANDS", "version"]
 
 #: name -> (one-line help, "module:function"); the function is ``(argv: list[str]) -> int``.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -30,7 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "events": (
         "subscribe to a kvtier/vLLM KV-event publisher and print events as JSON lines",
-        "kvtier.events:run_events_cli",
+        "kvtier.ops.events_cmd:run_events_cli",
     ),
     "inspect": ("show what a tier's storage holds", "kvtier.ops.inspect:run_inspect_cli"),
     "verify": ("check the integrity of a tier's stored chunks", "kvtier.ops.verify:run_verify_cli"),
@@ -42,51 +48,10 @@ _EXIT_CODES = {0: "success", 2: "bad arguments, or the command is not available 
 
 def version() -> str:
     """The installed kvtier version (package metadata; the source tree's ``__version__`` without it)."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as dist_version
-
     try:
         return dist_version("kvtier")
     except PackageNotFoundError:  # running from a checkout that is not installed
-        from kvtier import __version__
-
         return __version__
-
-
-def exit_codes_epilog(codes: dict[int, str]) -> str:
-    """An ``--help`` epilog listing exit statuses, one per line."""
-    import textwrap
-
-    lines = ["exit status:"]
-    for code, meaning in sorted(codes.items()):
-        lines += textwrap.wrap(meaning, width=78, initial_indent=f"  {code:<3} ", subsequent_indent=" " * 6)
-    return "\n".join(lines)
-
-
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """Keeps description/epilog line breaks; appends ``(default: X)`` where a default means something."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        help_text = action.help or ""
-        default = action.default
-        if default is None or default is False or default == argparse.SUPPRESS or "default" in help_text:
-            return help_text
-        return super()._get_help_string(action)
-
-
-class CliParser(argparse.ArgumentParser):
-    """``argparse`` parser for kvtier's commands.
-
-    A usage error prints one line on stderr (``kvtier CMD: error: …; see 'kvtier CMD --help'``)
-    and exits with status 2 (``SystemExit``); ``--help`` shows each option's default.
-    """
-
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        kwargs.setdefault("formatter_class", _HelpFormatter)
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
 
 
 def _top_parser() -> argparse.ArgumentParser:
@@ -137,9 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2  # pragma: no cover - parse_args always exits on an option without a command
     command, rest = args[0], args[1:]
     if command not in COMMANDS:
-        from kvtier.config import _did_you_mean
-
-        print(f"kvtier: error: unknown command {command!r}{_did_you_mean(command, COMMANDS)}; "
+        print(f"kvtier: error: unknown command {command!r}{did_you_mean(command, COMMANDS)}; "
               f"allowed: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     function = _load(command)

@@ -9,10 +9,9 @@ store calls arrive out of order.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-if TYPE_CHECKING:
-    from kvtier.config import RequestParams
+from kvtier.config.request import RequestParams
 
 __all__ = ["RequestContext"]
 
@@ -40,8 +39,6 @@ class RequestContext:
     @property
     def params(self) -> RequestParams:
         if self._params is None:
-            from kvtier.config import RequestParams
-
             self._params = RequestParams.from_kv_transfer_params(self.kv_transfer_params)
         return self._params
 

@@ -8,29 +8,30 @@ sits at ``(b * num_layers + l) * page_bytes``; the slot is padded with zeros up 
 so the host layout does not depend on the parallel configuration; :meth:`KVGeometry.shard` says
 where one rank's heads sit.
 
-**Namespace** (reference §3.2). ``run_fields`` lists what makes persisted bytes compatible
-(model, hash granularity, chunk size, parallelism, dtype, layers); ``run_digest`` names them in
-12 hex chars; ``namespace`` turns that into directory names and chunk paths::
+**Namespace** (the names vLLM's file mapper gives, so that both read each other's trees).
+``run_fields`` lists what makes persisted bytes compatible (model, hash granularity, chunk size,
+parallelism, dtype, layers); ``run_digest`` names them in 12 hex chars; ``namespace`` turns that
+into directory names and chunk paths::
 
-    <root>/<model>_<digest>/config.json
+    <root>/<model>_<digest>/                                     the run (the fs tier keeps config.json here)
     <root>/<model>_<digest>_r<rank>/<h[0:3]>/<h[3:5]>_g<group>/<h>.bin
 
 Paths are built with plain ``"/"`` string joins, never from the OS: the same strings serve as
 object-store keys. With ``root == ""`` they are relative (``<model>_<digest>/...``); the obj tier
-decides its own prefixing.
+decides its own prefixing. The fs tier recognises these names, and gives the others of its tree,
+in :mod:`kvtier.tiers.fs.tree`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError
-from kvtier.keys import make_offload_key, split_offload_key
+from kvtier.keys import split_offload_key
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -241,7 +242,7 @@ class KVGeometry:
         inference_engine: str = "kvtier",
         parallel_agnostic: bool = True,
     ) -> dict[str, Any]:
-        """The run-configuration fields of reference §3.2, input of :func:`run_digest`.
+        """The run-configuration fields, input of :func:`run_digest` (vLLM's ``config.json`` fields).
 
         In parallelism-agnostic mode (the canonical host layout makes bytes topology-independent)
         the parallel sizes are 1 and ``parallel_agnostic`` is absent; otherwise they are the real
@@ -311,15 +312,12 @@ def _model_segment(model_name: object) -> str:
     return model_name.replace("/", "_")
 
 
-_RELPATH = re.compile(r"([0-9a-f]{3})/([0-9a-f]{2})_g(0|[1-9][0-9]{0,9})/([0-9a-f]{6,})\.bin")
-
-
 @dataclass(frozen=True, slots=True)
 class Namespace:
     """Directory names and chunk paths of one run configuration (see the module docstring).
 
-    ``config_dir`` (= ``base_dir``) holds ``config.json``; chunk files live under the sibling
-    ``blocks_dir`` (``<base_dir>_r<rank>``). Build with :func:`namespace`.
+    ``base_dir`` is the run's directory; chunk files live under the sibling ``blocks_dir``
+    (``<base_dir>_r<rank>``). Build with :func:`namespace`.
     """
 
     root: str
@@ -328,8 +326,8 @@ class Namespace:
     base_dir: str
     blocks_dir: str
     fields: Mapping[str, Any] = field(compare=False, repr=False)
-    #: What chunk trailers record: SHA-256 of :func:`run_fingerprint` of ``fields`` and of the
-    #: tree's rank, so a chunk of one rank's tree (its shard of the KV heads) never passes as
+    #: What chunk trailers record: ``SHA-256(run_fingerprint(fields) || rank.to_bytes(8, "big"))``
+    #: (the rank of the tree, 0 where ranks share one), so a chunk of one rank's tree (its shard of the KV heads) never passes as
     #: another's, and no chunk passes between runs.
     fingerprint: bytes = field(default=b"", compare=False, repr=False)
 
@@ -343,20 +341,6 @@ class Namespace:
         """The name of ``blocks_dir`` inside ``root`` (``<model>_<digest>_r<rank>``)."""
         return self.blocks_dir.rsplit("/", 1)[-1]
 
-    @property
-    def config_dir(self) -> str:
-        """Directory of ``config.json`` (the same as ``base_dir``)."""
-        return self.base_dir
-
-    @property
-    def config_path(self) -> str:
-        """``<config_dir>/config.json``."""
-        return f"{self.base_dir}/config.json"
-
-    def config_json(self) -> str:
-        """Contents of ``config.json``: the run fields, 2-space indent, sorted keys."""
-        return json.dumps(dict(self.fields), indent=2, sort_keys=True)
-
     @staticmethod
     def chunk_relpath(key: bytes) -> str:
         """``<h[0:3]>/<h[3:5]>_g<group>/<h>.bin`` for offload key ``key`` (``h`` = hash hex)."""
@@ -369,23 +353,6 @@ class Namespace:
     def chunk_path(self, key: bytes) -> str:
         """``<blocks_dir>/<chunk_relpath(key)>``."""
         return f"{self.blocks_dir}/{self.chunk_relpath(key)}"
-
-    @staticmethod
-    def key_from_relpath(relpath: str) -> bytes | None:
-        """The offload key whose :meth:`chunk_relpath` is ``relpath``; ``None`` if malformed.
-
-        Strict: lowercase hex only, shard directories must match the hash, the group must be a
-        canonical decimal below 2**32, and nothing else (no ``./``, no extra segments) is allowed.
-        Used by scans, so anything not written by kvtier maps to ``None``.
-        """
-        match = _RELPATH.fullmatch(relpath)
-        if match is None:
-            return None
-        shard3, shard2, group_text, h = match.groups()
-        group = int(group_text)
-        if len(h) % 2 or h[0:3] != shard3 or h[3:5] != shard2 or group >= 2**32:
-            return None
-        return make_offload_key(bytes.fromhex(h), group)
 
 
 def namespace(root: str, fields: Mapping[str, Any], rank: int) -> Namespace:

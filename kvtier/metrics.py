@@ -50,7 +50,8 @@ _BUILTIN_TIER_NAMES = frozenset(
     f"kvtier_tier_{n}"
     for n in (
         "info", "loads_in_flight", "stores_in_flight", "queued_jobs", "failures", "rejected", "evictions",
-        "loads_completed", "stores_completed", "eviction_age_seconds", "load_latency_seconds", "store_latency_seconds", "bytes_used",
+        "loads_completed", "stores_completed", "eviction_age_seconds", "load_latency_seconds", "store_latency_seconds",
+        "bytes_used",
         "capacity_bytes", "fill_ratio", "backpressure_active",
     )
 )
@@ -312,7 +313,8 @@ class _Collector:
                              ["tier", "direction", "reason"])
         for (direction, reason), count in sorted(dict(s.failures).items()):
             failures.add_metric([label, str(direction), str(reason)], count)
-        f.counter("kvtier_tier_rejected", "Jobs the tier refused without trying because its queue was full (also failures, reason queue_full).",
+        f.counter("kvtier_tier_rejected",
+                  "Jobs the tier refused without trying because its queue was full (also failures, reason queue_full).",
                   ["tier"]).add_metric(t, _field(s, "rejected_jobs", "rejected"))
         f.counter("kvtier_tier_evictions", _DOC["evictions"], ["tier"]).add_metric(t, s.evictions)
         f.add_histogram("kvtier_tier_eviction_age_seconds", _DOC["eviction_age"], ["tier"], t, s.eviction_age)

@@ -38,7 +38,7 @@ class LookupResult(enum.Enum):
 
 
 class OffloadPolicy(str, enum.Enum):
-    """Which chunks of a request are offered to a tier (reference §1.2).
+    """Which chunks of a request are offered to a tier.
 
     ``CHUNK_LEVEL``: only chunks the request computed and stored. ``REQUEST_LEVEL``: every chunk
     of the request, prefix hits included (a P/D producer: the peer fetches the whole prefix).

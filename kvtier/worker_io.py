@@ -1,7 +1,7 @@
 """What kvtier's helper processes share: the fs tier's scan workers (:mod:`kvtier.tiers.fs.scan`)
 and ``kvtier verify``'s (:mod:`kvtier.ops.verify_workers`). Each is ``python -I -c BOOT`` talking
-length-prefixed msgspec frames on its stdin and stdout. Imports nothing of kvtier's, so a worker
-that imports this starts fast.
+length-prefixed msgspec frames on its stdin and stdout; :func:`import_paths` tells it where kvtier
+and its dependencies are. Imports nothing of kvtier's, so a worker that imports this starts fast.
 """
 
 from __future__ import annotations
@@ -25,14 +25,23 @@ _T = TypeVar("_T")
 
 
 def import_paths(*modules: ModuleType) -> list[str]:
-    """The directories this process imported ``modules`` from (a worker runs isolated, ``-I``,
-    so it is told where to find them), without repeats, in order."""
-    paths: list[str] = []
+    """The directories a worker imports from: kvtier's, then those this process imported
+    ``modules`` from (a worker runs isolated, ``-I``, so it is told where to find them), without
+    repeats, in order."""
+    paths = [_parent_of(__file__, levels=2)]
     for module in modules:
-        parent = os.path.dirname(os.path.dirname(os.path.abspath(module.__file__ or "")))
+        parent = _parent_of(module.__file__ or "", levels=2)
         if parent not in paths:
             paths.append(parent)
     return paths
+
+
+def _parent_of(path: str, *, levels: int) -> str:
+    """The directory ``levels`` above ``path`` (a package's ``__init__.py``: where it is importable from)."""
+    path = os.path.abspath(path)
+    for _ in range(levels):
+        path = os.path.dirname(path)
+    return path
 
 
 def die_with_parent(parent: int) -> None:

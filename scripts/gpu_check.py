@@ -50,7 +50,8 @@ import torch  # noqa: E402
 
 import kvtier  # noqa: E402
 from kvtier import KVGeometry  # noqa: E402
-from kvtier.host.copy_engine import CopyJob, CudaCopyEngine  # noqa: E402
+from kvtier.host.copy_jobs import CopyJob  # noqa: E402
+from kvtier.host.cuda_copy import CudaCopyEngine  # noqa: E402
 from kvtier.host.slots import SlotBuffer  # noqa: E402
 
 MIB = 1 << 20

@@ -1,7 +1,7 @@
 """The figures behind docs/p2p-network.md: what hostile peers cost a producer and the events endpoint.
 
 ``python scripts/hostile_figures.py`` (needs the ``test`` extra: it reuses the hostile peers of
-``tests/test_p2p_hostile.py`` and ``tests/test_events_hostile.py``) prints:
+``tests/tiers/p2p/test_p2p_hostile.py`` and ``tests/events/test_events_hostile.py``) prints:
 
 * how long after a lookup that is never fetched its pins are released (the session stays up);
 * the producer's resident memory before and after 40,000 lookups of distinct request ids;
@@ -21,7 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+for _tests in ("tests/support", "tests/events", "tests/tiers/p2p"):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / _tests))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import anyio  # noqa: E402

@@ -1,4 +1,4 @@
-"""Back-pressure (reference §2.12): the detector, its policies, its configuration, and the engine
+"""Back-pressure: the detector, its policies, its configuration, and the engine
 shedding stores to a slow tier.
 
 Time is a :class:`FakeClock` everywhere: unit tests move it by hand; in the engine tests the slow
@@ -29,7 +29,7 @@ from kvtier.backpressure import (
     build_detectors,
 )
 from kvtier.config import EngineConfig
-from kvtier.manager import load_spec
+from kvtier.specs import load_spec
 from kvtier.tiers.memory import MemoryTier
 
 MIB = 1 << 20

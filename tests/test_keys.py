@@ -333,10 +333,21 @@ def test_extra_keyed_hashes_are_vllms_literal_vectors(name: str, no_hash_seed: N
     assert [h.hex() for h in hashes] == EXTRA_KEY_VECTORS[name]
 
 
-def test_every_keyed_variant_differs_in_every_block(no_hash_seed: None) -> None:
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_every_keyed_variant_differs_in_every_block(algorithm: str, no_hash_seed: None) -> None:
+    """One prompt keyed four ways (plain, salted, LoRA, both): no chunk key of one variant is the
+    key of another, in any block, so no variant ever reads another's chunks."""
     variants = ["unsalted", "salted", "lora", "salted_lora"]
+    bs = EXTRA_KEY_BLOCK_SIZE
+    keys_of = {}
+    for name in variants:
+        case = EXTRA_KEY_CASES[name]
+        tokens = case["tokens"]
+        hashes = BlockHasher(algorithm, bs).hash_blocks(tokens, extras_of(case).per_block(len(tokens) // bs, bs))
+        keys_of[name] = chunk_keys(hashes, 1)
+    assert all(len(keys) == 3 for keys in keys_of.values())
     for i in range(3):
-        assert len({EXTRA_KEY_VECTORS[v][i] for v in variants}) == len(variants)
+        assert len({keys_of[name][i] for name in variants}) == len(variants), i
 
 
 def test_per_block_entries_in_vllms_order() -> None:

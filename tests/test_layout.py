@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from kvtier.errors import ConfigError
 from kvtier.keys import make_offload_key
 from kvtier.layout import KVGeometry, Namespace, namespace, run_digest
+from kvtier.tiers.fs.tree import config_path, config_text, key_from_relpath
 
 MODEL = "meta-llama/Llama-3-8B"
 
@@ -206,9 +207,9 @@ def test_namespace_of_tp1_run() -> None:
     ns = namespace("/data/kv", fields, rank=0)
     digest = expected_digest(fields)
     assert ns.digest == digest
-    assert ns.base_dir == ns.config_dir == f"/data/kv/meta-llama_Llama-3-8B_{digest}"
+    assert ns.base_dir == f"/data/kv/meta-llama_Llama-3-8B_{digest}"
     assert ns.blocks_dir == f"/data/kv/meta-llama_Llama-3-8B_{digest}_r0"
-    assert ns.config_path == f"{ns.config_dir}/config.json"
+    assert config_path(ns) == f"{ns.base_dir}/config.json"
 
 
 def test_namespace_of_tp2_topology_bound_run_is_per_rank() -> None:
@@ -250,7 +251,7 @@ def test_chunk_paths_shard_by_hash_prefix_and_group() -> None:
 @given(h=st.binary(min_size=16, max_size=32), group=st.integers(0, 2**32 - 1))
 def test_key_from_relpath_inverts_chunk_relpath(h: bytes, group: int) -> None:
     key = make_offload_key(h, group)
-    assert Namespace.key_from_relpath(Namespace.chunk_relpath(key)) == key
+    assert key_from_relpath(Namespace.chunk_relpath(key)) == key
 
 
 @pytest.mark.parametrize(
@@ -271,16 +272,16 @@ def test_key_from_relpath_inverts_chunk_relpath(h: bytes, group: int) -> None:
     ],
 )
 def test_key_from_relpath_rejects_malformed_paths(relpath: str) -> None:
-    assert Namespace.key_from_relpath(relpath) is None
+    assert key_from_relpath(relpath) is None
 
 
 def test_namespace_config_json_is_indented_and_sorted() -> None:
     fields = geometry().run_fields(2)
     ns = namespace("/r", fields, 0)
-    assert ns.config_json() == json.dumps(fields, indent=2, sort_keys=True)
-    assert json.loads(ns.config_json()) == fields
+    assert config_text(ns) == json.dumps(fields, indent=2, sort_keys=True)
+    assert json.loads(config_text(ns)) == fields
     fields["model_name"] = "mutated"  # the namespace keeps its own copy
-    assert json.loads(ns.config_json())["model_name"] == MODEL
+    assert json.loads(config_text(ns))["model_name"] == MODEL
 
 
 @pytest.mark.parametrize("model", ["model\x00x", "", "m" * 201])

@@ -1,4 +1,4 @@
-"""TieringManager semantics (reference §2.5–§2.11), driven step by step with real tiers."""
+"""TieringManager semantics (lookup, promotion, store, eviction, completion), driven step by step with real tiers."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 
 from kvtier.config import EngineConfig
 from kvtier.context import RequestContext
+from kvtier.host.tier import HostTier
 from kvtier.keys import make_offload_key
 from kvtier.manager import TieringManager
 from kvtier.tiers.base import TierContext
-from kvtier.host.tier import HostTier
 from kvtier.tiers.factory import SecondaryTierFactory
 from kvtier.types import LookupResult
 
@@ -186,13 +186,14 @@ async def test_failed_cascade_is_counted_and_unpins() -> None:
 
 def test_spec_name_selects_builtin_and_out_of_tree_specs(tmp_path, monkeypatch) -> None:  # noqa: ANN001
     from kvtier.errors import ConfigError
-    from kvtier.manager import CPUOffloadingSpec, TieringOffloadingSpec, load_spec
+    from kvtier.specs import CPUOffloadingSpec, TieringOffloadingSpec, load_spec
 
     assert isinstance(load_spec(EngineConfig.from_dict({"cpu_bytes_to_use": SLOT})), CPUOffloadingSpec)
     tiering = EngineConfig.from_dict({"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": SLOT})
     assert isinstance(load_spec(tiering), TieringOffloadingSpec)
     (tmp_path / "my_specs.py").write_text(
-        "from kvtier.manager import TieringManager, TieringOffloadingSpec\n"
+        "from kvtier.manager import TieringManager\n"
+        "from kvtier.specs import TieringOffloadingSpec\n"
         "class CountingManager(TieringManager):\n"
         "    pass\n"
         "class MySpec(TieringOffloadingSpec):\n"

@@ -1,6 +1,6 @@
 """Request-aware tiers in the manager: REQUEST_LEVEL cascades, parked cascades, serving a peer.
 
-The p2p tier builds on these (reference §2.4, §2.7); here a recording memory tier stands in for
+The p2p tier builds on these; here a recording memory tier stands in for
 it so that the manager's side is tested on its own.
 """
 
@@ -22,6 +22,7 @@ class ProducerTier(MemoryTier):
     of "remote" lookups through the manager it is given."""
 
     request_level_only = True
+    serves_external_requests = True
 
     def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
         super().__init__(*args, **kwargs)

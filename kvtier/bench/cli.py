@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from kvtier.ops.cli_args import CliParser, exit_codes_epilog
+
 __all__ = ["run_bench_cli", "build_parser", "summarize", "QUICK", "FULL", "AGREEMENT"]
 
 #: Workload and sweep of ``--quick`` (CI: well under a minute on 2 cores) ...
@@ -105,8 +107,6 @@ def _non_negative_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvtier.cli import CliParser, exit_codes_epilog  # the command line's shared conventions
-
     p = CliParser(
         prog="kvtier bench",
         description="Multi-turn chat prefill on a miniature transformer: throughput vs concurrent "

@@ -1,2 +1,5 @@
-"""The engine: the asyncio/trio face of kvtier (``engine``), its argument checks (``arguments``)
-and the layer-wise load (``layerwise``)."""
+"""The engine: ``kvtier.open`` and the :class:`Engine` (``engine``), its assembly (``build``), its
+collaborators — admission (``gate``), device copies (``copies``), load staging (``staging``),
+request keys (``keying``), progress (``progress``), events (``event_relay``) — the layer-wise load
+(``layerwise``), the blocking facade ``kvtier.start_in_thread`` (``threaded``) and the checks of
+call arguments (``arguments``)."""

@@ -10,7 +10,7 @@
 Semantics callers rely on:
 
 * **Entering** does what :meth:`kvtier.Engine.load` does before its copy — the same code
-  (``Engine._stage_load``), so the same rules: the chunks, keyed with the call's extra keys
+  (:meth:`kvtier.engine.staging.LoadStager.stage`), so the same rules: the chunks, keyed with the call's extra keys
   (``cache_salt``, LoRA, ``mm_items``, ``prompt_embeds``), are looked up from
   ``num_computed_tokens`` on, promotions from secondary tiers are awaited (the prefix ends at a
   chunk whose promotion fails or does not finish within the engine's ``wait_timeout_s``),
@@ -53,8 +53,11 @@ Semantics callers rely on:
 ``with engine.load_layerwise(...) as layers: for group in layers: ...`` where each step blocks
 the calling thread until the next group is on the device.
 
-The engine's internals this module relies on are listed in :class:`LoadingEngine`; it sits below
-``kvtier.engine.engine`` (it imports it only for type checking) and above the copy engines.
+A load holds what it uses of its engine, each an object of its own: the admission gate
+(:class:`kvtier.engine.gate.OperationGate`), the load stager
+(:class:`kvtier.engine.staging.LoadStager`) and the device copies
+(:class:`kvtier.engine.copies.DeviceCopies`). ``kvtier.engine.engine`` builds it; it never
+imports the engine.
 """
 
 from __future__ import annotations
@@ -63,28 +66,23 @@ import contextlib
 import enum
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
 
 from kvtier.errors import KvtierError
 
 if TYPE_CHECKING:
-    from kvtier.engine.engine import StagedLoad
+    from kvtier.engine.copies import DeviceCopies, PendingCopy
+    from kvtier.engine.gate import OperationGate
+    from kvtier.engine.staging import LoadStager, StagedLoad
+    from kvtier.host.copy_jobs import CopyOrder
     from kvtier.keys import RequestExtraKeys
-    from kvtier.layout import KVGeometry
-    from kvtier.host.copy_engine import CopyEngine, CopyOrder, CopyResult
 
 __all__ = ["LayerGroup", "LayerwiseLoad", "LayerwiseLoadError", "BlockingLayerwiseLoad", "layer_groups"]
 
 logger = logging.getLogger("kvtier.engine.layerwise")
-
-#: How long a wait for a copy result lasts before this load dispatches the results itself (the
-#: engine's drive task normally does at once; this covers an engine whose drive task stopped).
-_PROGRESS_S = 1.0
 
 
 class LayerGroup(NamedTuple):
@@ -125,53 +123,6 @@ def check_layers_per_group(value: Any) -> int:
     return int(value)
 
 
-class CopyCounters(Protocol):
-    def record(self, direction: str, result: CopyResult) -> None: ...
-
-
-class LoadingEngine(Protocol):
-    """What a layer-wise load uses of :class:`kvtier.Engine` (all on the engine's loop thread).
-
-    ``_stage_load`` is the start of every load (lookups, promotions, ``max_load_tokens``, block-id
-    checks, pins); ``_finish_load`` its end (unpin, recency, request finished). A copy result lands
-    in ``_copy_waiters[job_id]`` (its event is set) when ``_dispatch`` drains the copy engine, which
-    the engine's drive task does on every wake-up.
-    """
-
-    @property
-    def copy_engine(self) -> CopyEngine | None: ...
-    @property
-    def geometry(self) -> KVGeometry: ...
-    @property
-    def _copy_ids(self) -> Iterator[int]: ...
-    @property
-    def _copy_waiters(self) -> dict[int, tuple[anyio.Event, list[CopyResult]]]: ...
-    @property
-    def _copy_counters(self) -> CopyCounters: ...
-
-    def _check_open(self, method: str) -> None: ...
-    def _operation(self) -> AbstractAsyncContextManager[None]: ...
-    async def _stage_load(self, token_ids: Sequence[int], block_ids: Sequence[int],
-                          params: Mapping[str, Any] | None, num_computed_tokens: int,
-                          extras: RequestExtraKeys) -> StagedLoad: ...
-    def _finish_load(self, staged: StagedLoad, *, arrived: bool) -> None: ...
-    def _dispatch(self) -> None: ...
-
-
-@dataclass(slots=True)
-class _GroupCopy:
-    """One submitted group copy; ``box`` receives its result (through the engine's dispatch)."""
-
-    job_id: int
-    done: anyio.Event
-    box: list[CopyResult] = field(default_factory=list)
-    counted: bool = False
-
-    @property
-    def result(self) -> CopyResult:
-        return self.box[0]
-
-
 class _State(enum.Enum):
     NEW = "new"
     OPEN = "open"
@@ -181,30 +132,36 @@ class _State(enum.Enum):
 class LayerwiseLoad:
     """One layer-wise load; an async context manager and, inside it, an async iterator.
 
-    Built by :meth:`kvtier.Engine.load_layerwise` (arguments already checked there); see the
-    module docstring for the semantics.
+    Built by :meth:`kvtier.Engine.load_layerwise` (arguments already checked there) from the
+    engine's admission gate, load stager and device copies; see the module docstring for the
+    semantics.
     """
 
     def __init__(
         self,
-        engine: LoadingEngine,
+        gate: OperationGate,
+        stager: LoadStager,
+        copies: DeviceCopies,
         token_ids: Sequence[int],
         block_ids: Sequence[int],
         params: Mapping[str, Any] | None,
         extras: RequestExtraKeys,
         *,
+        num_layers: int,
         num_computed_tokens: int,
         layers_per_group: int,
         order: CopyOrder | None = None,
     ) -> None:
-        self._engine = engine
+        self._gate = gate
+        self._stager = stager
+        self._device_copies = copies
         self._order = order  # the caller's, captured at load_layerwise (see the copy engine)
         self._token_ids = token_ids
         self._block_ids = block_ids
         self._params = params
         self._extras = extras
         self._num_computed = num_computed_tokens
-        self.groups: list[LayerGroup] = layer_groups(engine.geometry.num_layers, layers_per_group)
+        self.groups: list[LayerGroup] = layer_groups(num_layers, layers_per_group)
         #: Tokens beyond ``num_computed_tokens`` the prefix adds once every group arrived (on entry).
         self.tokens = 0
         #: ``tokens`` per tier label, as :meth:`kvtier.Engine.load_with_sources` reports them.
@@ -213,18 +170,18 @@ class LayerwiseLoad:
         self._iterating = False
         self._next = 0  # index of the next group to yield
         self._failure: LayerwiseLoadError | None = None
-        self._staged: StagedLoad | None = None  # set once staged; handed to _finish_load on leaving
-        self._copies: list[_GroupCopy] = []
+        self._staged: StagedLoad | None = None  # set once staged; finished on leaving
+        self._group_copies: list[PendingCopy] = []  # one per group, once staged with a hit
         self._stack = contextlib.AsyncExitStack()
 
     # --- context manager ------------------------------------------------------------------------
     async def __aenter__(self) -> LayerwiseLoad:
         if self._state is not _State.NEW:
             raise RuntimeError("a LayerwiseLoad is entered once; call engine.load_layerwise(...) again")
-        self._engine._check_open("load_layerwise")
+        self._gate.check_open("load_layerwise")
         self._state = _State.OPEN
         try:
-            await self._stack.enter_async_context(self._engine._operation())
+            await self._stack.enter_async_context(self._gate.operation())
             await self._stage()
         except BaseException:
             await self._leave()
@@ -246,102 +203,71 @@ class LayerwiseLoad:
         return self
 
     async def __anext__(self) -> LayerGroup:
-        group = await self._next_group()
+        group = await self.next_group()
         if group is None:
             raise StopAsyncIteration
         return group
 
-    async def _next_group(self) -> LayerGroup | None:
+    async def next_group(self) -> LayerGroup | None:
         """The next group once it is on the device; ``None`` after the last one.
 
         Raises :class:`LayerwiseLoadError` if its copy failed (and at every later call).
         """
         if self._state is not _State.OPEN:
             raise RuntimeError("iterate a LayerwiseLoad inside its `async with` block")
-        self._engine._check_open("load_layerwise")
+        self._gate.check_open("load_layerwise")
         if self._failure is not None:
             raise self._failure
         if self._next >= len(self.groups):
             return None
         group = self.groups[self._next]
-        if self._copies:
-            copy = self._copies[self._next]
-            await self._wait_for([copy])
-            result = copy.result
-            self._count(copy)
+        if self._group_copies:
+            copies = self._device_copies
+            copy = self._group_copies[self._next]
+            result = await copies.wait(copy)
+            copies.count(copy)
             if not result.success:
                 logger.error("layer-wise host→device copy of layers %d..%d failed: %s",
                              group.start, group.stop - 1, result.error)
                 self._failure = LayerwiseLoadError(group, result.error)
                 raise self._failure
-            copy_engine = self._engine.copy_engine
-            if copy_engine is not None:
-                copy_engine.hand_over(self._order, result)  # the caller's stream waits for the group
+            copies.hand_over(self._order, result)  # the caller's stream waits for the group
         self._next += 1
         return group
 
     # --- internals --------------------------------------------------------------------------------
     async def _stage(self) -> None:
-        """Stage as ``load`` does (the engine's own code); then submit one copy per group."""
-        staged = self._staged = await self._engine._stage_load(
+        """Stage as ``load`` does (the same stager); then submit one copy per group, in layer order."""
+        staged = self._staged = await self._stager.stage(
             self._token_ids, self._block_ids, self._params, self._num_computed, self._extras)
         self.tokens_by_tier = dict(staged.tokens_by_tier)
         self.tokens = staged.tokens
         if staged.hit_keys:
             for group in self.groups:
-                self._copies.append(self._submit(staged.slot_ids, staged.block_ids, group))
-
-    def _submit(self, slot_ids: list[int], blocks: list[int], group: LayerGroup) -> _GroupCopy:
-        from kvtier.host.copy_engine import CopyJob
-
-        engine = self._engine
-        copy_engine = engine.copy_engine
-        assert copy_engine is not None  # load_layerwise refuses an engine without device_kv
-        copy = _GroupCopy(next(engine._copy_ids), anyio.Event())
-        engine._copy_waiters[copy.job_id] = (copy.done, copy.box)
-        copy_engine.submit(CopyJob(copy.job_id, "to_device", slot_ids, blocks, layers=(group.start, group.stop),
-                                   order=self._order))
-        return copy
-
-    async def _wait_for(self, copies: list[_GroupCopy]) -> None:
-        """Until every copy has its result: the engine's drive task dispatches results as they
-        come; the periodic dispatch here also covers an engine whose drive task has stopped."""
-        for copy in copies:
-            while not copy.done.is_set():
-                with anyio.move_on_after(_PROGRESS_S):
-                    await copy.done.wait()
-                self._engine._dispatch()
-
-    def _count(self, copy: _GroupCopy) -> None:
-        """Add a finished copy to the engine's copy counters, once (a withdrawn copy is no failure)."""
-        if copy.counted:
-            return
-        copy.counted = True
-        if copy.result.error != "cancelled":
-            self._engine._copy_counters.record("to_device", copy.result)
+                self._group_copies.append(self._device_copies.submit(
+                    "to_device", staged.slot_ids, staged.block_ids, self._order, layers=(group.start, group.stop)))
 
     async def _leave(self) -> None:
-        """Withdraw copies not started, wait for the rest (shielded), then end the staged load."""
+        """Withdraw copies not started, wait for the rest (shielded), then finish the staged load."""
         self._state = _State.LEFT
-        engine = self._engine
+        copies = self._device_copies
         arrived = False
-        copies_done = not self._copies  # until then a copy may still read the pinned slots
+        copies_done = not self._group_copies  # until then a copy may still read the pinned slots
         try:
             with anyio.CancelScope(shield=True):
-                copy_engine = engine.copy_engine
-                for copy in self._copies:
-                    if not copy.done.is_set() and copy_engine is not None:
-                        copy_engine.cancel(copy.job_id)
+                for copy in self._group_copies:
+                    copies.cancel(copy)
                 try:
                     # Every job is reported exactly once (also when the engine closes): this ends.
-                    await self._wait_for(self._copies)
+                    for copy in self._group_copies:
+                        await copies.wait(copy)
                     copies_done = True
                 finally:
-                    for copy in self._copies:
-                        engine._copy_waiters.pop(copy.job_id, None)
-            for copy in self._copies:
-                self._count(copy)
-            arrived = bool(self._copies) and all(c.result.success for c in self._copies)
+                    for copy in self._group_copies:
+                        copies.discard(copy)
+            for copy in self._group_copies:
+                copies.count(copy)
+            arrived = bool(self._group_copies) and all(c.result is not None and c.result.success for c in self._group_copies)
         finally:
             try:
                 staged = self._staged
@@ -350,7 +276,7 @@ class LayerwiseLoad:
                         # The wait itself failed: keep the slots pinned (a leak), never let one be
                         # reused while a copy may still read it.
                         staged.hit_keys = []
-                    engine._finish_load(staged, arrived=arrived)
+                    self._stager.finish(staged, arrived=arrived)
             finally:
                 await self._stack.aclose()
 
@@ -395,5 +321,5 @@ class BlockingLayerwiseLoad:
         return self._groups()
 
     def _groups(self) -> Iterator[LayerGroup]:
-        while (group := self._call("load_layerwise", self._load._next_group)) is not None:
+        while (group := self._call("load_layerwise", self._load.next_group)) is not None:
             yield group

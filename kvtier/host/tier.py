@@ -7,7 +7,7 @@ as :class:`~kvtier.types.OffloadingEvent` s. It does **no I/O and never blocks**
 secondary tier, both driven by the engine. Every method is called from the engine's event-loop
 thread, so nothing here takes a lock.
 
-Chunk state (``ChunkStatus.ref_cnt``, reference §1.4)::
+Chunk state (``ChunkStatus.ref_cnt``)::
 
     absent --prepare_store/prepare_write--> -1 (write pending; lookup says HIT_PENDING)
     -1 --complete_store(True)--> 0 (ready, evictable)       -1 --complete_store(False)--> absent
@@ -30,13 +30,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtier.context import RequestContext
+from kvtier.errors import ConfigError
+from kvtier.host.slots import SlotBuffer
+from kvtier.policies import CachePolicyFactory
 from kvtier.stats import Histogram, HistogramSnapshot
 from kvtier.types import ChunkStatus, LookupResult, Medium, OffloadingEvent
 
 if TYPE_CHECKING:
-    from kvtier.policies.base import CachePolicy
     from kvtier.host.copy_engine import CopyEngine
-    from kvtier.host.slots import SlotBuffer
+    from kvtier.policies.base import CachePolicy
 
 __all__ = [
     "HostTier",
@@ -103,11 +105,13 @@ def _group_of(key: bytes) -> int:
 
 
 class HostTier:
-    """The primary tier's bookkeeping (vLLM ``CPUOffloadingManager`` semantics, reference §1.4).
+    """The primary tier's bookkeeping, with the semantics of vLLM's ``CPUOffloadingManager``.
 
     Works without a device or copy engine (that is how policies are tested); the slot buffer is
     allocated only when :attr:`buffer` is first used. ``store_threshold`` ≥ 2 turns on the reuse
-    tracker (§1.5): a new chunk is stored only once it has been offered that many times.
+    tracker: a new chunk is stored only once :meth:`prepare_store` has been offered it that many
+    times (offers are counted for at most ``max_tracker_size`` keys, the least recently offered
+    forgotten first); promotions (:meth:`prepare_write`) bypass it.
     """
 
     def __init__(
@@ -123,9 +127,6 @@ class HostTier:
         copy_engine: CopyEngine | None = None,
         pin_memory: bool | None = None,
     ) -> None:
-        from kvtier.errors import ConfigError
-        from kvtier.policies import CachePolicyFactory
-
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
             raise ConfigError(f"num_slots must be a positive integer, got {num_slots!r}")
         if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) or slot_bytes < 1:
@@ -162,8 +163,6 @@ class HostTier:
     def buffer(self) -> SlotBuffer:
         """The host slot buffer, allocated on first use (pinned when CUDA is available)."""
         if self._buffer is None:
-            from kvtier.host.slots import SlotBuffer
-
             self._buffer = SlotBuffer(self.num_slots, self.slot_bytes, pin_memory=self._pin_memory)
         return self._buffer
 
@@ -282,7 +281,7 @@ class HostTier:
         reused = set(record.reused)
         self._policy.on_request_finished(key_groups, record.inserted - reused, reused, ctx)
 
-    # --- direction-explicit aliases for the tiering manager (reference §2.2) ----------------------
+    # --- direction-explicit aliases for the tiering manager (cascades and promotions) ------------
     def prepare_read(self, keys: Sequence[bytes]) -> list[int]:
         """Pin ``keys`` for a cascade to a secondary tier; slot ids co-indexed.
 
@@ -466,7 +465,8 @@ class HostTier:
         return slot_ids
 
     def _track_offer(self, tracker: collections.OrderedDict[bytes, int], keys: Sequence[bytes]) -> None:
-        """Count one offer of ``keys`` (§1.5); keys of this offer are never dropped to make room."""
+        """Count one offer of ``keys`` for the store threshold; keys of this offer are never
+        dropped to make room."""
         offered = dict.fromkeys(keys)
         new_keys: list[bytes] = []
         # Tracked keys first: +1, to the MRU end, protected for the rest of this offer.

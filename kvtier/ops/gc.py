@@ -47,9 +47,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from kvtier.ops import runs as _runs
+from kvtier.ops.cli_args import CliParser
 from kvtier.ops.runs import discover, format_bytes, list_tree, printable_report, run_on_root
-from kvtier.tiers.fs import beneath as fs_beneath
-from kvtier.tiers.fs import chunks as fs_io
+from kvtier.tiers.fs import beneath, chunks
 
 __all__ = ["run_gc_cli", "build_parser", "gc_root"]
 
@@ -64,8 +64,6 @@ sizes: 10G, 512MiB, 1.5GiB (powers of 1024), 20GB (powers of 1000), or plain byt
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvtier.cli import CliParser  # one-line usage errors, exit 2
-
     parser = CliParser(
         prog="kvtier gc",
         description="Remove the least recently written chunk files until those under ROOT take at most "
@@ -132,8 +130,8 @@ def gc_root(root_fd: int, root: str, *, max_bytes: int, dry_run: bool = False,
                     try:
                         fd = tree_fds.get(tree)
                         if fd is None:
-                            fd = tree_fds[tree] = fs_beneath.open_dir(root_fd, tree)
-                        fs_io.remove_file(fd, relpath)  # False: already gone (an engine evicted it): freed all the same
+                            fd = tree_fds[tree] = beneath.open_dir(root_fd, tree)
+                        chunks.remove_file(fd, relpath)  # False: already gone (an engine evicted it): freed all the same
                     except OSError as exc:
                         failed.append({"path": entry["path"], "error": str(exc)})
                         continue

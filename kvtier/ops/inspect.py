@@ -54,6 +54,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from kvtier.ops import runs as _runs
+from kvtier.ops.cli_args import CliParser
 from kvtier.ops.runs import Progress, discover, format_bytes, guess_slot_bytes, list_tree, run_on_root
 from kvtier.tiers.integrity import TRAILER_PAGE
 
@@ -69,8 +70,6 @@ exit status:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvtier.cli import CliParser  # one-line usage errors, exit 2
-
     parser = CliParser(
         prog="kvtier inspect",
         description="Summarise the fs-tier runs under ROOT from stat alone (no file reads, no changes).",

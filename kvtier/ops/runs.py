@@ -43,9 +43,8 @@ import anyio
 
 from kvtier.errors import ConfigError
 from kvtier.layout import Namespace, namespace
-from kvtier.tiers.fs import beneath as fs_beneath
-from kvtier.tiers.fs import chunks as fs_io
-from kvtier.tiers.fs import scan as fs_scan
+from kvtier.tiers.fs import beneath, scan, tree
+from kvtier.tiers.fs.pool import usable_cpus
 from kvtier.tiers.fs.scan_workers import ScanWorkers
 from kvtier.tiers.integrity import TRAILER_PAGE
 
@@ -72,12 +71,9 @@ __all__ = [
     "write_json",
 ]
 
-_MAX_CONFIG_JSON_BYTES = 1 << 20  # as the fs tier
-_RUN_NAME = re.compile(r"(.+)_([0-9a-f]{12})")
-_TREE_NAME = re.compile(r"(.+_[0-9a-f]{12})_r(0|[1-9][0-9]{0,9})")
 #: Scan worker processes of a tree listing: every usable core (an operator command has no event
 #: loop to keep responsive; the workers run at the lowest CPU priority). ``--scan-workers``.
-SCAN_WORKERS = fs_io.usable_cpus()
+SCAN_WORKERS = usable_cpus()
 #: Trees with at most this many top-level shard directories are listed in this thread (a worker
 #: costs ~0.1 s to start), as the fs tier does.
 IN_PROCESS_TOPS = 512
@@ -217,31 +213,29 @@ def open_root(path: str) -> int:
 def _read_config(root_fd: int, name: str) -> dict[str, Any]:
     """The parsed ``<name>/config.json``; ``ValueError`` with a short reason when unusable."""
     try:
-        cfg_fd = fs_beneath.open_dir(root_fd, name)
-    except (fs_beneath.UnsafeEntry, FileNotFoundError):
+        cfg_fd = beneath.open_dir(root_fd, name)
+    except (beneath.UnsafeEntry, FileNotFoundError):
         raise ValueError("directory vanished or is a link") from None
     try:
         try:
-            fd = fs_beneath.open_file(cfg_fd, "config.json", os.O_RDONLY)
-        except FileNotFoundError:
-            raise ValueError("no config.json") from None
-        except fs_beneath.UnsafeEntry:
+            fd = tree.open_config_json(cfg_fd)
+        except beneath.UnsafeEntry:
             raise ValueError("config.json is a symbolic link or special file") from None
         except OSError as exc:
             raise ValueError(f"config.json cannot be read ({exc.strerror or exc})") from None
-        with os.fdopen(fd, "rb") as f:
-            raw = f.read(_MAX_CONFIG_JSON_BYTES + 1)
+        if fd is None:
+            raise ValueError("no config.json")
+        raw = tree.read_config_bytes(fd)
     finally:
         os.close(cfg_fd)
-    if len(raw) > _MAX_CONFIG_JSON_BYTES:
-        raise ValueError("config.json is too large")
     try:
-        fields = json.loads(raw)
+        return tree.decode_config_json(raw)
+    except tree.ConfigJsonTooLarge:
+        raise ValueError("config.json is too large") from None
+    except tree.ConfigJsonNotObject:
+        raise ValueError("config.json is not a JSON object") from None
     except ValueError:
         raise ValueError("config.json is not valid JSON") from None
-    if not isinstance(fields, dict):
-        raise ValueError("config.json is not a JSON object")
-    return fields
 
 
 def discover(root_fd: int) -> Discovery:
@@ -257,8 +251,8 @@ def discover(root_fd: int) -> Discovery:
             continue
     runs: dict[str, Run] = {}
     for name, mode in kinds.items():
-        match = _RUN_NAME.fullmatch(name)
-        if match is None or _TREE_NAME.fullmatch(name):
+        match = tree.RUN_DIR.fullmatch(name)
+        if match is None or tree.TREE_DIR.fullmatch(name):
             continue
         if not stat.S_ISDIR(mode):
             (found.unsafe_entries if stat.S_ISLNK(mode) else found.other_entries).append(name)
@@ -277,9 +271,9 @@ def discover(root_fd: int) -> Discovery:
             continue
         runs[name] = Run(name, str(fields["model_name"]), ns.digest, fields)
     for name, mode in kinds.items():
-        match = _TREE_NAME.fullmatch(name)
+        match = tree.TREE_DIR.fullmatch(name)
         if match is None:
-            if _RUN_NAME.fullmatch(name) is None:
+            if tree.RUN_DIR.fullmatch(name) is None:
                 found.other_entries.append(name)
             continue
         if not stat.S_ISDIR(mode):
@@ -318,27 +312,27 @@ def list_tree(root_fd: int, tree_name: str, *, workers: int = SCAN_WORKERS,
     than :data:`IN_PROCESS_TOPS` of them, in this thread otherwise. Chunks are sorted oldest first
     (by mtime). ``on_shard`` is called after each top-level shard directory (progress)."""
     out = TreeListing()
-    tree_fd = fs_scan.open_dir(root_fd, tree_name)
+    tree_fd = scan.open_dir(root_fd, tree_name)
     if tree_fd is None:
         return out
     try:
-        for top in fs_scan.scandir(tree_fd):
-            if fs_scan.DIR1.fullmatch(top.name):
+        for top in scan.scandir(tree_fd):
+            if tree.TOP_DIR.fullmatch(top.name):
                 continue  # the walk's: a link or file under a shard name is found unsafe there
             st = _lstat(top)
             if st is None:
                 continue
-            if fs_scan.PROBE_NAME.fullmatch(top.name) and not stat.S_ISDIR(st.st_mode):
+            if tree.PROBE_NAME.fullmatch(top.name) and not stat.S_ISDIR(st.st_mode):
                 out.tmp.append(_entry(top.name, st))
             else:
                 out.stray.append(_entry(top.name, st))
-        plan = fs_scan.PassPlan(fs_scan.list_root(tree_fd, None), fs_scan.LeafMtimes(), tmp_grace_s=None,
+        plan = scan.PassPlan(scan.list_root(tree_fd, None), scan.LeafMtimes(), tmp_grace_s=None,
                                 tops_per_request=_TOPS_PER_REQUEST, budget=_BATCH_ENTRIES, report=True)
 
-        def collect(batch: fs_scan.ScanBatch) -> None:
+        def collect(batch: scan.ScanBatch) -> None:
             for leaf in batch.leaves:
-                leaf_dir = f"{leaf.leaf >> 8:03x}/{leaf.leaf & 0xff:02x}_g{leaf.group}/"
-                out.chunks += [FileEntry(f"{leaf_dir}{key[:-4].hex()}.bin", size, mtime)
+                leaf_dir = tree.leaf_relpath(leaf.group, leaf.leaf)
+                out.chunks += [FileEntry(f"{leaf_dir}/{tree.chunk_name(key)}", size, mtime)
                                for key, size, mtime in leaf.chunks]
             for other in batch.others:
                 getattr(out, other.kind).append(FileEntry(os.fsdecode(other.relpath), other.size, other.mtime,
@@ -349,7 +343,7 @@ def list_tree(root_fd: int, tree_name: str, *, workers: int = SCAN_WORKERS,
 
         if len(plan.root.tops) <= IN_PROCESS_TOPS:
             for i in range(len(plan)):
-                for batch in fs_scan.walk_tops(tree_fd, plan.request(i)):
+                for batch in scan.walk_tops(tree_fd, plan.request(i)):
                     collect(batch)
         else:
             anyio.run(_walk_in_workers, tree_fd, plan, workers, collect)
@@ -359,9 +353,9 @@ def list_tree(root_fd: int, tree_name: str, *, workers: int = SCAN_WORKERS,
     return out
 
 
-async def _walk_in_workers(tree_fd: int, plan: fs_scan.PassPlan, workers: int,
-                           collect: Callable[[fs_scan.ScanBatch], None]) -> None:
-    async def apply(batch: fs_scan.ScanBatch) -> None:
+async def _walk_in_workers(tree_fd: int, plan: scan.PassPlan, workers: int,
+                           collect: Callable[[scan.ScanBatch], None]) -> None:
+    async def apply(batch: scan.ScanBatch) -> None:
         collect(batch)
 
     pool = ScanWorkers(workers)

@@ -2,7 +2,7 @@
 
 Every chunk file of every rank tree (:mod:`kvtier.ops.runs`) is read in full and checked with
 :func:`kvtier.tiers.fs.chunks.load_chunk` — the tier's own load path — against its identity: the
-offload key its path names (:meth:`kvtier.layout.Namespace.key_from_relpath`) and the fingerprint
+offload key its path names (:func:`kvtier.tiers.fs.tree.key_from_relpath`) and the fingerprint
 of its run *and rank* (:attr:`kvtier.layout.Namespace.fingerprint` of the tree's namespace), so a
 chunk copied over another's name, or into another run's or rank's tree, fails ``wrong_chunk``.
 Reads never follow a link and never open a special file (:mod:`kvtier.tiers.fs.beneath`); nothing
@@ -32,22 +32,22 @@ trailer is valid, the most common size is taken as the trailer-less (vLLM) slot 
 under which no file is removed for its size alone; a tree where even that fails (no size a
 multiple of 4096) is not checked: its files count as ``unchecked`` problems, never removed.
 
-Readers: ``--workers N`` (default: the usable cores; it replaces ``--threads``). With N > 1
-the files are checked by N worker processes (:mod:`kvtier.ops.verify_workers`), each with its
-own interpreter lock: the checksum and the per-file Python hold that lock, so threads of one
-process queued for it (0.55-0.8x of a raw parallel read on 2 cores). With N = 1 this process
-checks every file itself and starts no process. Either way each reader checks a file the page
-cache holds at once, into its own page-aligned buffer of one slot, with a read that may not wait
-(``RWF_NOWAIT``), and hands a file that would wait for the storage to its threads:
+Readers: ``--workers N`` (default: the usable cores). With N > 1 the files are checked by N worker
+processes (:mod:`kvtier.ops.verify_workers`), each with its own interpreter lock: the checksum and
+the per-file Python hold that lock, so threads of one process would queue for it. With N = 1 this
+process checks every file itself and starts no process. Either way each reader checks a file the
+page cache holds at once, into its own page-aligned buffer of one slot, with a read that may not
+wait (``RWF_NOWAIT``), and hands a file that would wait for the storage to its threads:
 ``--io-depth`` (default 32, at most 256) reads in flight, shared among the readers (at least one
 each), what a disk or NFS needs to deliver its bandwidth; the kernel's readahead, started for each
-file found not cached, adds up to as many again (:class:`kvtier.ops.verify_workers.Checker`).
-Each reading thread holds a buffer of one slot. The verdicts are the same whichever reads a file. Workers start (~0.1 s) while the trees are listed; the GiB/s printed is
-file bytes read over the time of the read-and-check phase (listing and worker start-up
-excluded); progress (chunks, GiB/s) goes to stderr when it is a terminal. ``--repair`` removes
-files in this process, after every file was checked: a check that fails (a worker died) removes
-nothing. ``benchmarks/verify.py`` compares the read-and-check phase with raw reads of the same
-files (see its docstring and ``docs/operators.md`` for what it measured).
+file found not cached, adds up to as many again (:class:`kvtier.ops.verify_workers.Checker`). Each
+reading thread holds a buffer of one slot. The verdicts are the same whichever reads a file.
+Workers start while the trees are listed; the GiB/s printed is file bytes read over the time of
+the read-and-check phase (listing and worker start-up excluded); progress (chunks, GiB/s) goes to
+stderr when it is a terminal. ``--repair`` removes files in this process, after every file was
+checked: a check that fails (a worker died) removes nothing. ``benchmarks/verify.py`` compares the
+read-and-check phase with raw reads of the same files (see its docstring and ``docs/operators.md``
+for what it measured).
 
 Exit status: 0 no problems (or all repaired), 1 problems found and not repaired (or the check
 could not finish: a worker died or broke protocol, the error line says which; or the output
@@ -75,7 +75,6 @@ import collections
 import contextlib
 import functools
 import os
-import struct
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -84,13 +83,22 @@ from typing import Any, TextIO
 
 from kvtier.layout import Namespace
 from kvtier.ops import runs as _runs
-from kvtier.ops.runs import Progress, discover, format_bytes, list_tree, printable_report, run_on_root
+from kvtier.ops.cli_args import CliParser
+from kvtier.ops.runs import (
+    Progress,
+    discover,
+    format_bytes,
+    list_tree,
+    printable_report,
+    run_on_root,
+)
 from kvtier.ops.verify_workers import VERDICTS, Checker, CheckRequest, VerifyWorkers
-from kvtier.tiers.fs import beneath as fs_beneath
-from kvtier.tiers.fs import chunks as fs_io
-from kvtier.tiers.integrity import MAGIC, TRAILER_PAGE, identity
+from kvtier.tiers.fs import beneath, chunks
+from kvtier.tiers.fs.pool import usable_cpus
+from kvtier.tiers.fs.tree import key_from_relpath
+from kvtier.tiers.integrity import TAIL_SIZE, TRAILER_PAGE, identity, recorded_length
 
-__all__ = ["run_verify_cli", "build_parser", "verify_root", "REASONS"]
+__all__ = ["run_verify_cli", "build_parser", "verify_root", "REASONS", "IO_DEPTH"]
 
 #: Every reason a file can be reported for.
 REASONS: tuple[str, ...] = (
@@ -98,11 +106,11 @@ REASONS: tuple[str, ...] = (
     "unreadable",
 )
 _KEPT = frozenset({"unreadable"})  # problems --repair never removes: nothing is known of the bytes
-_TAIL = struct.Struct("<4sHHQQ8x")
 # Files per batch at most: a request of 256 layout paths and identities is ~56 KB, within a pipe's
 # 64 KiB, so the parent's send to a worker busy with its other request never waits for it.
 _BATCH = 256
-_IO_DEPTH = 32  # reads in flight (all readers) for files not in the page cache: NVMe and NFS want many
+#: Default ``--io-depth``: reads in flight (all readers) for files not in the page cache: NVMe and NFS want many
+IO_DEPTH = 32
 
 _EPILOG = """\
 exit status:
@@ -114,8 +122,6 @@ exit status:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvtier.cli import CliParser  # one-line usage errors, exit 2
-
     parser = CliParser(
         prog="kvtier verify",
         description="Read every chunk file under ROOT and check it against its key, run and rank.",
@@ -128,9 +134,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repair", action="store_true",
                         help="remove corrupt, misplaced and stray files (never trailer-less vLLM files)")
     parser.add_argument("--json", action="store_true", help="print one JSON document (schema: module docstring)")
-    parser.add_argument("--workers", type=functools.partial(_runs.count_arg, most=1024), default=fs_io.usable_cpus(), metavar="N",
+    parser.add_argument("--workers", type=functools.partial(_runs.count_arg, most=1024), default=usable_cpus(), metavar="N",
                         help="readers: N worker processes, 1 = this process alone (the usable cores)")
-    parser.add_argument("--io-depth", type=functools.partial(_runs.count_arg, most=256), default=_IO_DEPTH, metavar="N",
+    parser.add_argument("--io-depth", type=functools.partial(_runs.count_arg, most=256), default=IO_DEPTH, metavar="N",
                         help="reads in flight for files not in the page cache, shared among the readers (at "
                              "least one each; each holds a buffer of one slot); cached files are checked at once")
     parser.add_argument("--slot-bytes", type=_runs.size_arg, default=None, metavar="BYTES",
@@ -168,19 +174,17 @@ def _slot_from_trailers(tree_fd: int, listing: _runs.TreeListing) -> int | None:
             continue
         for relpath in by_size[size]:
             try:
-                fd = fs_beneath.open_file(tree_fd, relpath, os.O_RDONLY)
+                fd = beneath.open_file(tree_fd, relpath, os.O_RDONLY)
             except OSError:
                 continue
             try:
-                tail = os.pread(fd, _TAIL.size, size - _TAIL.size)
+                tail = os.pread(fd, TAIL_SIZE, size - TAIL_SIZE)
             except OSError:
                 continue
             finally:
                 os.close(fd)
-            if len(tail) == _TAIL.size:
-                magic, _version, _flags, length, _digest = _TAIL.unpack(tail)
-                if magic == MAGIC and length == size - TRAILER_PAGE:
-                    return length
+            if recorded_length(tail) == size - TRAILER_PAGE:
+                return size - TRAILER_PAGE
     return None
 
 
@@ -191,7 +195,7 @@ def _raw_slot_guess(sizes: list[int]) -> int | None:
     return top if top > 0 and top % TRAILER_PAGE == 0 else None
 
 
-def verify_root(root_fd: int, root: str, *, workers: int, io_depth: int = _IO_DEPTH, run_filter: str | None = None,
+def verify_root(root_fd: int, root: str, *, workers: int, io_depth: int = IO_DEPTH, run_filter: str | None = None,
                 repair: bool = False, slot_bytes: int | None = None, tmp_grace_s: float = 3600.0,
                 progress_stream: TextIO | None = None,
                 before_repair: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -223,8 +227,8 @@ def verify_root(root_fd: int, root: str, *, workers: int, io_depth: int = _IO_DE
         for run in selected:
             for tree in run.trees:
                 try:
-                    tree_fds.append(fs_beneath.open_dir(root_fd, tree.name))
-                except (FileNotFoundError, fs_beneath.UnsafeEntry):
+                    tree_fds.append(beneath.open_dir(root_fd, tree.name))
+                except (FileNotFoundError, beneath.UnsafeEntry):
                     continue
                 opened.append((run, tree))
         with contextlib.ExitStack() as stack:
@@ -324,7 +328,7 @@ def _problem(tree: _Tree, relpath: str, reason: str, size: int, is_dir: bool) ->
 def _remove(tree_fd: int, relpath: str) -> bool:
     """Remove ``relpath`` beneath the tree without following links; True when it is gone."""
     try:
-        fs_io.remove_file(tree_fd, relpath)
+        chunks.remove_file(tree_fd, relpath)
         return True
     except OSError:  # a non-empty directory, permissions: left for the operator
         return False
@@ -344,7 +348,7 @@ def _check_chunks(trees: list[_Tree], workers: VerifyWorkers | None, io_depth: i
     results: list[tuple[_Tree, _runs.FileEntry, str | None]] = []
     for t in trees:
         for entry in t.listing.chunks:
-            key = Namespace.key_from_relpath(entry.relpath)
+            key = key_from_relpath(entry.relpath)
             if key is None or t.slot is None:  # no slot size could be found: nothing to check against
                 results.append((t, entry, "unchecked"))
                 continue
@@ -401,7 +405,7 @@ def _batches(work: list[_Work], workers: int) -> list[list[_Work]]:
 
     For ``workers`` processes the sizes shrink as the work runs out (guided scheduling): a batch
     holds a (2 x ``workers``)-th of what is left, at most :data:`_BATCH` files, so the parent is
-    woken (~50 µs of its CPU per answer, taken from the workers' cores) a few dozen times for a
+    woken (each answer takes some of its CPU from the workers' cores) a few dozen times for a
     whole tree, and when the queue empties, what a worker still holds (two batches in flight) is
     a few files, not milliseconds of them that the others wait out idle. In this process
     (``workers`` 0) batches only pace the progress display.

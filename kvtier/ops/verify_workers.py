@@ -4,9 +4,8 @@ Checking one chunk (:func:`check_file`) is the fs tier's own load path,
 :func:`kvtier.tiers.fs.chunks.load_chunk`: a contained open (:mod:`kvtier.tiers.fs.beneath`: no link
 followed, nothing outside the tree reached), one ``preadv`` of the whole file, the trailer's
 length, version, run/rank identity and key, then the xxh3-64 checksum. The read runs without the
-interpreter lock; the checksum and a few µs of Python per file hold it, so threads of one process
-queue for that lock (2 cores, 256 KiB chunks in the page cache: 4 threads reached 0.55-0.8x of
-a raw parallel read). :class:`VerifyWorkers` spreads the files over worker processes instead,
+interpreter lock; the checksum and the Python run per file hold it, so threads of one process
+queue for that lock. :class:`VerifyWorkers` spreads the files over worker processes instead,
 each with its own interpreter: ``python -I`` running :func:`worker_main`, holding the rank trees'
 descriptors (inherited at start, ``pass_fds``), answering :class:`CheckRequest` frames on its
 stdin with :class:`CheckAnswer` frames on its stdout. Before the files are handed out
@@ -49,9 +48,9 @@ from dataclasses import dataclass
 from typing import Annotated
 
 import msgspec
+import xxhash
 
-from kvtier.tiers.fs import beneath as fs_beneath
-from kvtier.tiers.fs import chunks as fs_io
+from kvtier.tiers.fs import beneath, chunks
 from kvtier.tiers.integrity import IDENTITY_SIZE, REJECT_REASONS
 from kvtier.worker_io import FRAME_HEADER, die_with_parent, import_paths, requests, write_all
 
@@ -106,7 +105,7 @@ def check_file(tree_fd: int, relpath: str, buf: memoryview, chunk_identity: byte
     ``nowait``: from the kernel's caches only; ``BlockingIOError`` or ``OSError`` ``EOPNOTSUPP``
     as :func:`kvtier.tiers.fs.chunks.load_chunk` raises them (check it without, then)."""
     try:
-        return fs_io.load_chunk(tree_fd, relpath, buf, chunk_identity, o_direct=False, nowait=nowait).reason
+        return chunks.load_chunk(tree_fd, relpath, buf, chunk_identity, o_direct=False, nowait=nowait).reason
     except FileNotFoundError:
         return "vanished"
     except OSError as exc:
@@ -204,7 +203,7 @@ class Checker:
                         raise
                     # No read here can promise not to wait: read here anyway where files are
                     # memory, else on the threads.
-                    way = self._ways[tree_fd] = _HERE if fs_io.in_memory_fs(tree_fd) else _THREADS
+                    way = self._ways[tree_fd] = _HERE if chunks.in_memory_fs(tree_fd) else _THREADS
                     if way is _HERE:
                         batch.codes[i] = _CODE[check_file(tree_fd, relpath, buf, chunk_identity)]
                         checked += 1
@@ -265,16 +264,6 @@ class Checker:
 # ------------------------------------------------------------------------------------------------
 
 
-def _import_paths() -> list[str]:
-    """Where this process found kvtier and what a worker imports (it runs isolated, ``-I``)."""
-    import anyio
-    import xxhash
-
-    import kvtier
-
-    return import_paths(kvtier, msgspec, xxhash, anyio)
-
-
 class _Worker:
     """One worker process, its pipes and the requests it has not answered yet."""
 
@@ -282,7 +271,7 @@ class _Worker:
         if not sys.executable:
             raise OSError(errno.ENOENT, "no Python executable to start verify workers (use --workers 1)")
         fds = ",".join(str(fd) for fd in tree_fds)
-        command = [sys.executable, "-I", "-c", _BOOT, fds, str(os.getpid()), str(depth), *_import_paths()]
+        command = [sys.executable, "-I", "-c", _BOOT, fds, str(os.getpid()), str(depth), *import_paths(msgspec, xxhash)]
         try:
             self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                             stderr=subprocess.PIPE, pass_fds=tuple(tree_fds),
@@ -377,7 +366,7 @@ class VerifyWorkers:
 
     Use as a context manager: leaving it normally ends the workers (end of their stdin), leaving
     it with an exception kills them. Starting them returns at once; :meth:`wait_ready` waits
-    until every one has imported its code (~0.1 s: overlap it with other work) and mapped its
+    until every one has imported its code (overlap it with other work) and mapped its
     buffers."""
 
     def __init__(self, tree_fds: Sequence[int], size: int, depth: int) -> None:
@@ -469,7 +458,7 @@ def worker_main(argv: list[str]) -> None:
     die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the parent's to handle
     decoder = msgspec.msgpack.Decoder(CheckRequest)
-    fs_beneath.has_openat2()  # probed now, part of starting, not of the first file's check
+    beneath.has_openat2()  # probed now, part of starting, not of the first file's check
 
     def answer(request_id: int, verdicts: list[int]) -> None:
         payload = _ENCODER.encode(CheckAnswer(request_id, verdicts))

@@ -1,4 +1,4 @@
-"""Adaptive replacement cache, adapted to request-driven offloading (reference §1.8).
+"""Adaptive replacement cache, adapted to request-driven offloading.
 
 Resident chunks live in ``T1`` (seen by one request) or ``T2`` (reused by a later request); the
 ghost lists ``B1``/``B2`` remember keys recently evicted from each. All four are ordered LRU → MRU.

@@ -1,4 +1,4 @@
-"""The pluggable cache-policy interface of the host tier (reference §1.6).
+"""The pluggable cache-policy interface of the host tier.
 
 A policy owns the host tier's key → :class:`~kvtier.types.ChunkStatus` map and decides which
 ready, unpinned chunks leave host memory first. The host tier (``kvtier/host/tier.py``) is its

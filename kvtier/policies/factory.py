@@ -1,4 +1,4 @@
-"""Resolve the ``eviction_policy`` configuration value to a :class:`CachePolicy` (reference §1.3).
+"""Resolve the ``eviction_policy`` configuration value to a :class:`CachePolicy`.
 
 Resolution order: the registry (built-ins ``lru`` and ``arc`` plus anything registered with
 :meth:`CachePolicyFactory.register_cache_policy`), then, if ``cache_policy_module_path`` is

@@ -1,4 +1,4 @@
-"""Least-recently-used eviction with request-aware ranks (reference §1.7).
+"""Least-recently-used eviction with request-aware ranks.
 
 Every resident chunk has a rank ``(r, s)``; :meth:`LRUPolicy.evict` takes the smallest ranks
 first among evictable, unprotected chunks. A global counter hands out fresh ``r`` values:

@@ -4,89 +4,29 @@ A secondary tier keeps chunk bytes somewhere slower and larger than host memory 
 an object store, a peer). Every tier runs as **one anyio task group**: the manager-facing methods
 (``lookup``, ``submit_store``, ``submit_load``, ``get_finished_jobs``) are synchronous,
 NON-BLOCKING channel operations; worker tasks inside the tier's task group perform the I/O by
-calling the few async primitives a tier author writes.
+calling the few async primitives a tier author writes: ``open``, ``close``, ``contains``,
+``write``, ``read`` (and optionally ``known``, ``delete``, ``touch``, ``write_many``,
+``read_many``, each optional one declared by its capability class attribute). Everything else is
+inherited.
 
-What a tier author writes (everything else is inherited)::
-
-    class MyTier(SecondaryTier):
-        tier_type = "mine"
-        medium = Medium.STORAGE
-
-        async def open(self) -> None: ...                      # connect / probe / scan
-        async def close(self) -> None: ...                     # release what open() acquired
-        async def contains(self, keys) -> Sequence[bool]: ...  # batched existence probe
-        async def write(self, key, src: memoryview) -> None: ...
-        async def read(self, key, dst: memoryview) -> None: ...
-        async def delete(self, key) -> None: ...               # optional
-        def known(self, key) -> bool | None: ...               # optional sync fast path
-
-        # optional batch hooks: take a whole job at once instead of one call per chunk
-        async def write_many(self, items: Sequence[tuple[bytes, memoryview]]) -> Sequence[BaseException | None]: ...
-        async def read_many(self, items: Sequence[tuple[bytes, memoryview]]) -> Sequence[BaseException | None]: ...
-
-Batch hooks: a tier whose I/O has a per-call cost worth amortising (a thread-pool hand-off per
-chunk, a round trip) overrides ``write_many`` and/or ``read_many``; the framework then calls it
-ONCE per job (per direction, independently) instead of ``write``/``read`` per chunk. ``items``
-are ``(key, slot view)`` pairs in job order; the hook returns one entry per item, co-indexed:
-``None`` for a chunk that succeeded, else the exception that chunk's ``write``/``read`` would
-have raised (same mapping to reasons, same ``ChunkCorrupt`` handling). A chunk's failure must not
-stop the others; the hook raises only for a failure of the whole batch (then every item fails
-with that exception's reason) or for cancellation (it must then return only once no thread
-touches the views any more). Everything else is unchanged: per-chunk results still drive
-partial promotion (``successful_keys``), reasons and statistics; the same-key guarantee holds (a
-batch never contains a key that another write — batched or not — is writing, and no key twice;
-duplicates and busy keys wait for a later call); ``aclose`` cancels the call. Parallelism inside
-a batch is the tier's business: ``max_concurrent_loads``/``max_concurrent_stores`` then bound
-the number of *jobs* in flight, not chunks. The per-key ``write``/``read`` stay required (the
-simple path, and what the base's default ``write_many``/``read_many`` fan out to).
-
-Preconditions guaranteed by the framework:
-  * ``src``/``dst`` are views of exactly one host slot (``slot_bytes`` long, page aligned), pinned
-    by the manager for the whole job: nothing else writes ``src`` or reads ``dst`` meanwhile.
-  * ``write``/``read`` of one job's chunks may run concurrently (bounded per direction by
-    ``max_concurrent_stores`` / ``max_concurrent_loads``); the same key is never written twice
-    at once by this process (``write`` and ``write_many`` alike).
-  * ``open`` runs before any other primitive; ``close`` runs once, after every worker finished
-    (shielded from cancellation, bounded by ``close_timeout_s``).
-  * ``contains`` runs under ``anyio.fail_after(lookup_timeout_s)``; a timeout or an exception
-    makes every key of the batch a MISS (counted under ``("lookup", reason)``).
-
-What the implementation is responsible for:
-  * ``read`` fills ``dst`` completely or raises; it never leaves unverified bytes in ``dst``
-    that could be mistaken for a chunk (the framework treats a raise as a miss).
-  * Raise :class:`ChunkNotFound` for an absent chunk, :class:`ChunkCorrupt` for bytes that fail
-    verification (after removing them), :class:`TierIOError` with a ``reason`` for other
-    failures. ``OSError`` is mapped to a reason by errno. Anything else is a bug: it fails the
-    chunk, is counted under ``"internal"`` and logged with its traceback.
-  * Primitives must be cancellable: ``aclose`` cancels running I/O and must return within a
-    few seconds. Blocking libraries are called through ``anyio.to_thread.run_sync`` with the
-    tier's own ``CapacityLimiter`` (never the default one), or through threads the tier owns
-    and joins in ``close``.
-  * Call :meth:`SecondaryTier.emit_removed` for every chunk the tier drops on its own (eviction,
-    deletion) so events, verdicts and statistics stay truthful; :meth:`record_eviction` and
-    :meth:`set_usage` feed the capacity statistics.
-
-What the framework guarantees to the manager:
-  * Every submitted job is reported EXACTLY ONCE by :meth:`SecondaryTier.get_finished_jobs`:
-    completed, failed, rejected because the queue was full (``"queue_full"``), submitted after
-    close (``"closed"``) or cut short by close (``"cancelled"``).
-  * A failed load invalidates the cached positive verdict of every key that did not load, so a
-    key whose promotion failed is never re-promoted from a stale verdict (vLLM #49176).
+The contract in short: ``read`` fills ``dst`` completely or raises :class:`ChunkNotFound`,
+:class:`ChunkCorrupt` or :class:`TierIOError` (any other exception is a bug, counted as
+``"internal"``); primitives are cancellable; the same key is never written twice at once; a tier
+reports every chunk it drops on its own through :meth:`SecondaryTier.emit_removed`. In return
+every submitted job is reported EXACTLY ONCE by :meth:`SecondaryTier.get_finished_jobs`, and a
+failed load invalidates the cached positive verdict of every key that did not load, so a key
+whose promotion failed is never re-promoted from a stale verdict. The full guide
+(preconditions, batch hooks, tiers that run whole jobs themselves) is in docs/tiers.md.
 """
 
 from __future__ import annotations
 
 import abc
-import copy
-import errno
 import logging
 import math
-import re
 import time
-import types
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
@@ -94,40 +34,29 @@ from anyio.abc import TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from kvtier.context import RequestContext
-from kvtier.stats import Histogram, HistogramSnapshot, MetricFamily
+from kvtier.stats import MetricFamily
+from kvtier.tiers.counters import EVICTION_AGE_BUCKETS, TierCounters, TierStatistics
+from kvtier.tiers.errors import ChunkCorrupt, ChunkNotFound, TierError, TierIOError, failure_reason
+from kvtier.tiers.jobs import JobHandle, JobResult, TransferJob
+from kvtier.tiers.runner import JobRunner, fan_out
+from kvtier.tiers.verdicts import VerdictCache
 from kvtier.types import CacheHitSource, LookupResult, Medium, OffloadingEvent, OffloadPolicy
 
 if TYPE_CHECKING:
     from kvtier.config import TierConfig
-    from kvtier.layout import KVGeometry
     from kvtier.host.slots import SlotBuffer
+    from kvtier.layout import KVGeometry
 
 __all__ = [
-    "TierError",
-    "ChunkNotFound",
-    "ChunkCorrupt",
-    "TierIOError",
-    "failure_reason",
-    "TierContext",
-    "TransferJob",
-    "JobResult",
-    "TierStatistics",
-    "SecondaryTier",
-    "ParentManager",
-    "EVICTION_AGE_BUCKETS",
+    "TierError", "ChunkNotFound", "ChunkCorrupt", "TierIOError", "failure_reason", "TierContext",
+    "TransferJob", "JobResult", "JobHandle", "TierStatistics", "SecondaryTier", "ParentManager", "EVICTION_AGE_BUCKETS",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: Age of evicted chunks (seconds): from a minute to a day.
-EVICTION_AGE_BUCKETS: tuple[float, ...] = (1.0, 10.0, 60.0, 300.0, 900.0, 3600.0, 14400.0, 86400.0)
-
-_METRIC_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
-_METRIC_KINDS = frozenset({"counter", "gauge", "histogram"})
-
 
 class ParentManager(abc.ABC):
-    """What a tier may ask of the manager while serving an external request (reference §2.4).
+    """What a tier may ask of the manager while serving an external request.
 
     For each remote request, in order: :meth:`on_new_request`, then :meth:`lookup` and
     :meth:`create_store_job` as needed, then :meth:`on_request_finished` (always, even with no
@@ -153,66 +82,6 @@ class ParentManager(abc.ABC):
     def on_request_finished(self, ctx: RequestContext) -> None: ...
 
 
-# --- errors --------------------------------------------------------------------------------------
-class TierError(Exception):
-    """A chunk operation failed; ``reason`` is the short label counted in the statistics."""
-
-    reason: str = "io_error"
-
-    def __init__(self, message: str = "", *, reason: str | None = None) -> None:
-        super().__init__(message or (reason or self.reason))
-        if reason is not None:
-            self.reason = reason
-
-
-class ChunkNotFound(TierError):
-    """The tier does not hold the chunk (reason ``"missing"``)."""
-
-    reason = "missing"
-
-
-class ChunkCorrupt(TierError):
-    """The chunk's bytes failed verification; the tier removed them (reason ``"corrupt"``)."""
-
-    reason = "corrupt"
-
-
-class TierIOError(TierError):
-    """Any other failure, with an explicit reason: ``"no_space"``, ``"permission"``,
-    ``"io_error"``, ``"timeout"``, ``"throttled"``, …"""
-
-    def __init__(self, reason: str, message: str = "") -> None:
-        super().__init__(message, reason=reason)
-
-
-_ERRNO_REASONS: dict[int, str] = {
-    errno.ENOSPC: "no_space",
-    errno.EDQUOT: "no_space",
-    errno.EACCES: "permission",
-    errno.EPERM: "permission",
-    errno.EROFS: "permission",
-    errno.ENOENT: "missing",
-    errno.EIO: "io_error",
-}
-
-
-def failure_reason(exc: BaseException) -> str:
-    """The statistics label of a primitive's exception.
-
-    :class:`TierError` → its ``reason``; ``TimeoutError`` → ``"timeout"`` (checked before
-    ``OSError``, of which it is a subclass); ``OSError`` → by errno (ENOSPC/EDQUOT ``no_space``,
-    EACCES/EPERM/EROFS ``permission``, ENOENT ``missing``, anything else ``io_error``); any other
-    exception → ``"internal"`` (a bug in the tier).
-    """
-    if isinstance(exc, TierError):
-        return exc.reason
-    if isinstance(exc, TimeoutError):
-        return "timeout"
-    if isinstance(exc, OSError):
-        return _ERRNO_REASONS.get(exc.errno or 0, "io_error")
-    return "internal"
-
-
 # --- records -------------------------------------------------------------------------------------
 @dataclass
 class TierContext:
@@ -229,91 +98,6 @@ class TierContext:
     kv_events_enabled: bool = False  # global events switch (tier also needs enable_kv_events)
     self_describing_kv_events: bool = False
     hash_algorithm: str = "sha256"  # block hashing: p2p peers compare its NONE_HASH seed
-
-
-@dataclass
-class TransferJob:
-    """One batch of chunks to move between host slots and a tier.
-
-    ``is_promotion``: True = load (tier → host slots, already allocated by the manager), False =
-    store/cascade (host slots → tier). ``slot_ids[i]`` is the host slot of ``keys[i]``; the
-    manager keeps every slot pinned until the job's :class:`JobResult` is collected.
-    ``submit_time`` is the creation stamp (``time.monotonic``) the job latency is measured from.
-    """
-
-    job_id: int
-    keys: list[bytes]
-    slot_ids: list[int]
-    is_promotion: bool
-    ctx: RequestContext | None = None
-    submit_time: float = field(default_factory=time.monotonic)
-
-    @property
-    def chunk_ids(self) -> list[int]:
-        """vLLM's name for :attr:`slot_ids`."""
-        return self.slot_ids
-
-
-@dataclass
-class JobResult:
-    """The outcome of one :class:`TransferJob`, reported exactly once.
-
-    ``success`` is True only if every chunk succeeded. ``successful_keys`` is ``None`` when all
-    keys share ``success``; for a partially failed promotion it lists the keys that did load (in
-    job order, possibly empty). Stores never report a subset. ``transfer_bytes`` counts the
-    succeeded chunks × ``slot_bytes``; ``transfer_time`` is the wall time of the job's I/O.
-    """
-
-    job_id: int
-    success: bool
-    is_promotion: bool
-    successful_keys: list[bytes] | None = None
-    transfer_time: float | None = None
-    transfer_bytes: int | None = None
-    failure_reason: str | None = None
-
-
-@dataclass(frozen=True)
-class TierStatistics:
-    """A consistent snapshot of one tier's counters (read by ``kvtier.metrics``)."""
-
-    label: str
-    tier_type: str
-    lookups: int  # resolved lookups (HIT or MISS), as vLLM's chunk_queries
-    hits: int
-    bytes_read: int  # tier → host (promotions)
-    bytes_written: int  # host → tier (cascades)
-    seconds_read: float
-    seconds_written: float
-    loads_in_flight: int
-    stores_in_flight: int
-    queued_jobs: int
-    loads_completed: int
-    stores_completed: int
-    failures: Mapping[tuple[str, str], int]  # (direction "load"|"store"|"lookup", reason) -> count
-    rejected_jobs: int  # rejected at submit because the queue was full
-    evictions: int
-    eviction_age: HistogramSnapshot
-    load_latency: Mapping[str, HistogramSnapshot]  # "success"/"failure" -> job creation → completion
-    store_latency: Mapping[str, HistogramSnapshot]
-    bytes_used: int | None
-    capacity_bytes: int | None
-    custom_metrics: tuple[MetricFamily, ...]
-
-
-@dataclass(eq=False)
-class _JobRecord:
-    """Framework bookkeeping of one submitted job (identity-compared)."""
-
-    job: TransferJob
-    direction: str  # "load" | "store"
-
-
-@dataclass(slots=True)
-class _Verdict:
-    present: bool
-    expires_at: float  # math.inf for positive verdicts
-    epoch: int  # when it was set; newer facts win over older probes
 
 
 # --- the base class ------------------------------------------------------------------------------
@@ -343,6 +127,21 @@ class SecondaryTier(abc.ABC):
     #: True for a tier that takes cascades only from requests that chose ``REQUEST_LEVEL`` for it
     #: in :meth:`on_new_request` (p2p: it holds a producer's chunks for its consumer, nothing else).
     request_level_only: ClassVar[bool] = False
+
+    # Capabilities: what the tier implements beyond the required primitives. Declared, never
+    # inferred from which methods a subclass overrides.
+    #: :meth:`delete` removes a chunk (otherwise it raises ``NotImplementedError``).
+    supports_delete: ClassVar[bool] = False
+    #: :meth:`touch` acts on the recency hint; callers may skip calling it when False.
+    supports_touch: ClassVar[bool] = False
+    #: Store jobs go to :meth:`write_many` whole, once per job, instead of :meth:`write` per chunk.
+    batched_writes: ClassVar[bool] = False
+    #: Load jobs go to :meth:`read_many` whole, once per job, instead of :meth:`read` per chunk.
+    batched_reads: ClassVar[bool] = False
+
+    #: The tier answers requests from outside (a peer's lookups): the manager calls
+    #: :meth:`serve_external_requests` on every poll.
+    serves_external_requests: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -391,19 +190,15 @@ class SecondaryTier(abc.ABC):
         self.lookup_timeout_s = lookup_timeout_s
         self.negative_ttl_s = negative_ttl_s
         self.close_timeout_s = close_timeout_s
-        self._verdict_cache_size = verdict_cache_size
         self._max_concurrent_lookups = max_concurrent_lookups
-        # Which directions the tier takes as whole jobs (see "Batch hooks" in the module doc).
-        self._batched_writes = type(self).write_many is not SecondaryTier.write_many
-        self._batched_reads = type(self).read_many is not SecondaryTier.read_many
 
         # Job channels: bounded, so a stalled tier pushes back instead of growing without limit.
-        self._load_send: MemoryObjectSendStream[_JobRecord]
-        self._load_recv: MemoryObjectReceiveStream[_JobRecord]
-        self._store_send: MemoryObjectSendStream[_JobRecord]
-        self._store_recv: MemoryObjectReceiveStream[_JobRecord]
-        self._load_send, self._load_recv = anyio.create_memory_object_stream[_JobRecord](queue_size)
-        self._store_send, self._store_recv = anyio.create_memory_object_stream[_JobRecord](queue_size)
+        self._load_send: MemoryObjectSendStream[JobHandle]
+        self._load_recv: MemoryObjectReceiveStream[JobHandle]
+        self._store_send: MemoryObjectSendStream[JobHandle]
+        self._store_recv: MemoryObjectReceiveStream[JobHandle]
+        self._load_send, self._load_recv = anyio.create_memory_object_stream[JobHandle](queue_size)
+        self._store_send, self._store_recv = anyio.create_memory_object_stream[JobHandle](queue_size)
         # Results are unbounded on purpose: a result must never be dropped or block a worker; its
         # size is bounded by the jobs outstanding since the manager's last drain.
         self._result_send, self._result_recv = anyio.create_memory_object_stream[JobResult](math.inf)
@@ -412,17 +207,14 @@ class SecondaryTier(abc.ABC):
             tuple[tuple[bytes, ...], int]
         ](64)
 
-        self._unfinished: dict[int, _JobRecord] = {}  # id(record) -> record, until reported
-        self._keys_being_written: dict[bytes, anyio.Event] = {}  # keys being written now
+        self._unfinished: dict[int, JobHandle] = {}  # id(record) -> record, until reported
         self._idle_event = anyio.Event()
         self._idle_event.set()
         self._wakeup: Callable[[], None] | None = None
         self._removal_listener: Callable[[Sequence[bytes]], None] | None = None
         self._pending_events: list[OffloadingEvent] = []
 
-        self._verdicts: OrderedDict[bytes, _Verdict] = OrderedDict()
-        self._verdict_clock: Callable[[], float] = time.monotonic  # verdict expiry clock (tests replace it)
-        self._epoch = 0
+        self._verdicts = VerdictCache(verdict_cache_size, negative_ttl_s)
         self._probe_batch: dict[bytes, None] = {}  # ordered set: this step's keys to probe
         self._probes_in_flight: set[bytes] = set()
 
@@ -431,27 +223,10 @@ class SecondaryTier(abc.ABC):
         self._stop_requested = anyio.Event()
         self._run_done = anyio.Event()
 
-        # statistics
-        self._lookup_count = 0
-        self._lookup_hits = 0
-        self._read_bytes_total = 0
-        self._written_bytes_total = 0
-        self._read_seconds_total = 0.0
-        self._written_seconds_total = 0.0
-        self._jobs_running = {"load": 0, "store": 0}
-        self._jobs_completed = {"load": 0, "store": 0}
-        self._failure_counts: dict[tuple[str, str], int] = {}
-        self._rejected_jobs = 0
-        self._eviction_count = 0
-        self._eviction_age_hist = Histogram(EVICTION_AGE_BUCKETS)
-        self._job_latency = {
-            (direction, outcome): Histogram()
-            for direction in ("load", "store")
-            for outcome in ("success", "failure")
-        }
-        self._usage_bytes: int | None = None
-        self._usage_capacity: int | None = None
-        self._metric_families: dict[str, MetricFamily] = {}
+        self._tier_counters = TierCounters()
+        self._reports_to: SecondaryTier | None = None  # a wrapper that reports for this tier
+        self._job_runner = JobRunner(self, self._tier_counters, remember_stored=self._remember_stored,
+                                     post=self._post, log=logger)
 
     # --- primitives (override) -----------------------------------------------------------------
     async def open(self) -> None:
@@ -473,7 +248,8 @@ class SecondaryTier(abc.ABC):
         """Fill ``dst`` completely with ``key``'s bytes, or raise (see module docstring)."""
 
     async def delete(self, key: bytes) -> None:
-        """Remove ``key`` (optional; the framework never calls it on the serving path)."""
+        """Remove ``key`` (optional, with ``supports_delete``; the framework never calls it on the
+        serving path)."""
         raise NotImplementedError(f"tier type {self.tier_type!r} does not support delete")
 
     def known(self, key: bytes) -> bool | None:
@@ -483,35 +259,19 @@ class SecondaryTier(abc.ABC):
     async def write_many(self, items: Sequence[tuple[bytes, memoryview]]) -> Sequence[BaseException | None]:
         """Write a whole job's chunks; per item ``None`` or the chunk's exception (optional hook).
 
-        Overriding it makes the framework call it once per store job instead of :meth:`write`
-        per chunk (see "Batch hooks" in the module docstring). This default runs :meth:`write`
-        for every item concurrently.
+        With ``batched_writes`` the framework calls it once per store job instead of
+        :meth:`write` per chunk (see "Batch hooks" in the module docstring). This default runs
+        :meth:`write` for every item concurrently.
         """
-        return await self._fan_out(self.write, items)
+        return await fan_out(self.write, items)
 
     async def read_many(self, items: Sequence[tuple[bytes, memoryview]]) -> Sequence[BaseException | None]:
         """Read a whole job's chunks; per item ``None`` or the chunk's exception (optional hook).
 
-        Overriding it makes the framework call it once per load job instead of :meth:`read` per
-        chunk. This default runs :meth:`read` for every item concurrently.
+        With ``batched_reads`` the framework calls it once per load job instead of :meth:`read`
+        per chunk. This default runs :meth:`read` for every item concurrently.
         """
-        return await self._fan_out(self.read, items)
-
-    @staticmethod
-    async def _fan_out(primitive: Callable[[bytes, memoryview], Any],
-                       items: Sequence[tuple[bytes, memoryview]]) -> list[BaseException | None]:
-        outcomes: list[BaseException | None] = [None] * len(items)
-
-        async def one(i: int, key: bytes, view: memoryview) -> None:
-            try:
-                await primitive(key, view)
-            except Exception as exc:
-                outcomes[i] = exc
-
-        async with anyio.create_task_group() as tg:
-            for i, (key, view) in enumerate(items):
-                tg.start_soon(one, i, key, view)
-        return outcomes
+        return await fan_out(self.read, items)
 
     # --- lookups -------------------------------------------------------------------------------
     def lookup(self, key: bytes, ctx: RequestContext | None = None) -> LookupResult:
@@ -523,43 +283,30 @@ class SecondaryTier(abc.ABC):
         answers RETRY. Only resolved answers are counted in ``lookups``/``hits``. After close,
         unknown keys are a MISS (a RETRY would stall the caller forever).
         """
-        verdict = self._verdicts.get(key)
-        if verdict is not None:
-            if verdict.expires_at > self._verdict_clock():
-                self._verdicts.move_to_end(key)
-                return self._count_lookup(verdict.present, key, ctx)
-            del self._verdicts[key]
+        present = self._verdicts.get(key)
+        if present is not None:
+            return self.count_lookup(present, key, ctx)
         present = self.known(key)
         if present is not None:
-            return self._count_lookup(present, key, ctx)
+            return self.count_lookup(present, key, ctx)
         if self._tier_closing:
-            return self._count_lookup(False, key, ctx)
+            return self.count_lookup(False, key, ctx)
         if key not in self._probes_in_flight:
             self._probe_batch[key] = None
         return LookupResult.RETRY
 
-    def _count_lookup(self, present: bool, key: bytes, ctx: RequestContext | None) -> LookupResult:
-        # Resolved lookups count once per (request, key), as vLLM's chunk_queries/chunk_hits.
+    def count_lookup(self, present: bool, key: bytes, ctx: RequestContext | None) -> LookupResult:
+        """For subclasses that answer :meth:`lookup` themselves: count a resolved answer, return it.
+
+        Counted once per (request, key) in ``lookups``/``hits``, as vLLM's chunk_queries/chunk_hits.
+        """
         if ctx is None or ctx.first_lookup(self.label, key):
-            self._lookup_count += 1
-            self._lookup_hits += present
+            self._tier_counters.count_lookup(present)
         return LookupResult.HIT if present else LookupResult.MISS
 
     def mark_miss(self, keys: Iterable[bytes]) -> None:
         """Force MISS verdicts for ``keys`` (for ``negative_ttl_s``); a probe sent later wins."""
-        self._set_verdicts(keys, False)
-
-    def _set_verdicts(self, keys: Iterable[bytes], present: bool, *, probe_epoch: int | None = None) -> None:
-        expires = math.inf if present else self._verdict_clock() + self.negative_ttl_s
-        for key in keys:
-            current = self._verdicts.get(key)
-            if probe_epoch is not None and current is not None and current.epoch > probe_epoch:
-                continue  # a store or failed load since the probe was sent knows better
-            self._epoch += 1
-            self._verdicts[key] = _Verdict(present, expires, self._epoch)
-            self._verdicts.move_to_end(key)
-        while len(self._verdicts) > self._verdict_cache_size:
-            self._verdicts.popitem(last=False)
+        self._verdicts.set(keys, False)
 
     def on_schedule_end(self) -> None:
         """End of a scheduler step: send this step's probe batch as ONE item to the lookup worker.
@@ -570,7 +317,7 @@ class SecondaryTier(abc.ABC):
             return
         batch = tuple(self._probe_batch)
         try:
-            self._lookup_send.send_nowait((batch, self._epoch))
+            self._lookup_send.send_nowait((batch, self._verdicts.epoch))
         except anyio.WouldBlock:
             return
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
@@ -594,18 +341,18 @@ class SecondaryTier(abc.ABC):
                 if len(present) != len(keys):
                     raise ValueError(f"contains() returned {len(present)} answers for {len(keys)} keys")
             except TimeoutError:
-                self._count_failure("lookup", "timeout")
+                self._tier_counters.count_failure("lookup", "timeout")
                 present = [False] * len(keys)
             except Exception as exc:
                 reason = failure_reason(exc)
-                self._count_failure("lookup", reason)
+                self._tier_counters.count_failure("lookup", reason)
                 if reason == "internal":
                     logger.error("tier %s: contains() failed", self.label, exc_info=exc)
                 present = [False] * len(keys)
             for key, hit in zip(keys, present):
-                self._set_verdicts((key,), bool(hit), probe_epoch=epoch)
+                self._verdicts.set((key,), bool(hit), probe_epoch=epoch)
             self._probes_in_flight.difference_update(keys)
-            self._notify()
+            self.notify_manager()
         finally:
             probe_slots.release()
 
@@ -624,29 +371,23 @@ class SecondaryTier(abc.ABC):
         """Queue a promotion (tier → host slots). Never blocks; rejection as :meth:`submit_store`."""
         self._submit(job, "load", self._load_send)
 
-    def _submit(self, job: TransferJob, direction: str, send: MemoryObjectSendStream[_JobRecord]) -> None:
-        record = _JobRecord(job, direction)
-        self._register(record)
+    def _submit(self, job: TransferJob, direction: str, send: MemoryObjectSendStream[JobHandle]) -> None:
+        record = self.open_job(job)
         if len(job.keys) != len(job.slot_ids):
             logger.error("tier %s: job %s has %d keys but %d slots", self.label, job.job_id,
                          len(job.keys), len(job.slot_ids))
-            self._fail(record, "internal")
+            self.fail_job(record, "internal")
             return
         if self._tier_closing:
-            self._fail(record, "closed")
+            self.fail_job(record, "closed")
             return
         try:
             send.send_nowait(record)
         except anyio.WouldBlock:
-            self._rejected_jobs += 1
-            self._fail(record, "queue_full")
+            self._tier_counters.count_rejected()
+            self.fail_job(record, "queue_full")
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-            self._fail(record, "closed")
-
-    def _register(self, record: _JobRecord) -> None:
-        if not self._unfinished:
-            self._idle_event = anyio.Event()
-        self._unfinished[id(record)] = record
+            self.fail_job(record, "closed")
 
     def get_finished_jobs(self) -> list[JobResult]:
         """Every job finished since the last call, each exactly once. Never waits."""
@@ -657,177 +398,45 @@ class SecondaryTier(abc.ABC):
             except anyio.WouldBlock:
                 return results
 
-    async def _dispatch(self, receive: MemoryObjectReceiveStream[_JobRecord], width: int) -> None:
-        # ``width`` runners share the queue: a job leaves it only when a runner is free, so a slow
-        # tier keeps its queue (and the queue_full back-pressure) meaningful instead of hoarding
-        # running tasks — and no task is spawned per job.
-        chunk_limiter = anyio.CapacityLimiter(width)
-        async with anyio.create_task_group() as tg:
-            for _ in range(width):
-                tg.start_soon(self._run_jobs, receive, chunk_limiter)
+    def _remember_stored(self, keys: list[bytes]) -> None:
+        # The runner's report of chunks a store job wrote: lookups hit them without probing.
+        self._verdicts.set(keys, True)
 
-    async def _run_jobs(self, receive: MemoryObjectReceiveStream[_JobRecord], limiter: anyio.CapacityLimiter) -> None:
-        async for record in receive:
-            await self._run_job(record, limiter)
+    # --- jobs a subclass runs itself ------------------------------------------------------------
+    # A tier that moves whole jobs its own way (overriding submit_store/submit_load, or taking
+    # store jobs from ParentManager.create_store_job) opens each job here and reports it with
+    # succeed_job or fail_job. The framework keeps its promises for such jobs too: each is
+    # reported exactly once, counted in the statistics, and failed "cancelled" if still open
+    # when the tier stops.
+    def open_job(self, job: TransferJob) -> JobHandle:
+        """For subclasses: register ``job`` as unfinished and return its handle.
 
-    async def _run_job(self, record: _JobRecord, limiter: anyio.CapacityLimiter) -> None:
-        job = record.job
-        self._jobs_running[record.direction] += 1
-        reasons: list[str | None] = [None] * len(job.keys)
-        started = time.monotonic()
-        try:
-            if self._batched_reads if job.is_promotion else self._batched_writes:
-                await self._run_batched(record, reasons)
-            else:
-                async with anyio.create_task_group() as tg:
-                    for i in range(len(job.keys)):
-                        tg.start_soon(self._run_chunk, record, i, reasons, limiter)
-            self._complete(record, reasons, time.monotonic() - started)
-        finally:
-            self._jobs_running[record.direction] -= 1
+        The job counts as pending work (:meth:`drain` waits for it) until it is reported.
+        """
+        handle = JobHandle(job, "load" if job.is_promotion else "store")
+        if not self._unfinished:
+            self._idle_event = anyio.Event()
+        self._unfinished[id(handle)] = handle
+        return handle
 
-    async def _run_chunk(self, record: _JobRecord, i: int, reasons: list[str | None], limiter: anyio.CapacityLimiter) -> None:
-        job = record.job
-        key = job.keys[i]
-        try:
-            async with limiter:
-                host = self.context.host
-                if host is None:
-                    raise TierIOError("internal", "tier has no host buffer")
-                view = host.view(job.slot_ids[i])
-                if job.is_promotion:
-                    await self.read(key, view)
-                else:
-                    await self._write_exclusive(key, view)
-        except Exception as exc:
-            self._chunk_failed(record, i, exc, reasons)
+    def succeed_job(self, handle: JobHandle, *, elapsed: float, nbytes: int) -> None:
+        """For subclasses: report an open job done; a job already reported is left as it was.
 
-    def _chunk_failed(self, record: _JobRecord, i: int, exc: BaseException, reasons: list[str | None]) -> None:
-        key = record.job.keys[i]
-        reason = failure_reason(exc)
-        reasons[i] = reason
-        if reason == "internal":
-            logger.error("tier %s: %s of chunk %s failed", self.label, record.direction,
-                         key.hex()[:16], exc_info=exc)
-        elif isinstance(exc, ChunkCorrupt):
-            self.emit_removed([key], "corrupt")
+        ``elapsed`` and ``nbytes`` become the result's ``transfer_time`` and ``transfer_bytes``
+        (the byte statistics are :meth:`record_transfer`'s business).
+        """
+        job = handle.job
+        self._post(handle, JobResult(job_id=job.job_id, success=True, is_promotion=job.is_promotion,
+                                     transfer_time=elapsed, transfer_bytes=nbytes))
 
-    async def _run_batched(self, record: _JobRecord, reasons: list[str | None]) -> None:
-        """One job through the tier's ``read_many``/``write_many`` (same guarantees as per chunk)."""
-        job = record.job
-        host = self.context.host
-        if host is None:
-            for i in range(len(job.keys)):
-                self._chunk_failed(record, i, TierIOError("internal", "tier has no host buffer"), reasons)
-            return
-        try:
-            views = host.views(job.slot_ids)
-            pending = list(range(len(views)))
-        except Exception:  # a bad slot id fails its chunk only, as on the per-chunk path
-            views, pending = [], []
-            for i, slot_id in enumerate(job.slot_ids):
-                try:
-                    views.append(host.view(slot_id))
-                    pending.append(i)
-                except Exception as exc:
-                    views.append(memoryview(b""))
-                    self._chunk_failed(record, i, exc, reasons)
-        if job.is_promotion:
-            if pending:
-                await self._call_batch(record, self.read_many, pending, views, reasons)
-            return
-        # One writer per key: claim the job's free keys and write them as one batch; keys another
-        # job is writing (or repeated in this job) wait for the next round.
-        while pending:
-            ready: list[int] = []
-            waiting: list[int] = []
-            claimed: dict[bytes, anyio.Event] = {}
-            for i in pending:
-                key = job.keys[i]
-                if key in claimed or key in self._keys_being_written:
-                    waiting.append(i)
-                else:
-                    claimed[key] = self._keys_being_written[key] = anyio.Event()
-                    ready.append(i)
-            if ready:
-                try:
-                    await self._call_batch(record, self.write_many, ready, views, reasons)
-                finally:
-                    for key, done in claimed.items():
-                        del self._keys_being_written[key]
-                        done.set()
-            else:
-                busy = self._keys_being_written.get(job.keys[waiting[0]])
-                if busy is not None:
-                    await busy.wait()
-            pending = waiting
+    def fail_job(self, handle: JobHandle, reason: str) -> None:
+        """For subclasses (and the framework): report an open job failed with ``reason``.
 
-    async def _call_batch(
-        self,
-        record: _JobRecord,
-        hook: Callable[[Sequence[tuple[bytes, memoryview]]], Any],
-        indices: list[int],
-        views: list[memoryview],
-        reasons: list[str | None],
-    ) -> None:
-        keys = record.job.keys
-        outcomes: Sequence[BaseException | None]
-        try:
-            outcomes = await hook([(keys[i], views[i]) for i in indices])
-            if len(outcomes) != len(indices):
-                raise ValueError(f"{hook.__name__}() returned {len(outcomes)} outcomes for {len(indices)} chunks")
-        except Exception as exc:  # the whole batch failed
-            outcomes = [exc] * len(indices)
-        for i, outcome in zip(indices, outcomes):
-            if outcome is not None:
-                self._chunk_failed(record, i, outcome, reasons)
-
-    async def _write_exclusive(self, key: bytes, src: memoryview) -> None:
-        # The manager may cascade the same key in two jobs at once (vLLM cascades every key
-        # offered to complete_store); tiers are promised one writer per key, so wait our turn.
-        while (busy := self._keys_being_written.get(key)) is not None:
-            await busy.wait()
-        done = self._keys_being_written[key] = anyio.Event()
-        try:
-            await self.write(key, src)
-        finally:
-            del self._keys_being_written[key]
-            done.set()
-
-    def _complete(self, record: _JobRecord, reasons: list[str | None], elapsed: float) -> None:
-        job = record.job
-        ok_keys = [key for key, reason in zip(job.keys, reasons) if reason is None]
-        failed = next((reason for reason in reasons if reason is not None), None)
-        nbytes = len(ok_keys) * self.context.slot_bytes
-        if job.is_promotion:
-            self._read_bytes_total += nbytes
-            self._read_seconds_total += elapsed
-            if failed is not None:
-                # Never re-promote a key whose load failed from a stale positive verdict.
-                self.mark_miss(key for key, reason in zip(job.keys, reasons) if reason is not None)
-        else:
-            self._written_bytes_total += nbytes
-            self._written_seconds_total += elapsed
-            # Chunks that were written exist even if a sibling failed; a tier that can answer
-            # synchronously (known) may already have dropped them again (eviction).
-            stored = [key for key in ok_keys if self.known(key) is not False]
-            self._set_verdicts(stored, True)
-            if stored:
-                self.emit_stored(stored)
-        result = JobResult(
-            job_id=job.job_id,
-            success=failed is None,
-            is_promotion=job.is_promotion,
-            successful_keys=ok_keys if (failed is not None and job.is_promotion) else None,
-            transfer_time=elapsed,
-            transfer_bytes=nbytes,
-            failure_reason=failed,
-        )
-        self._post(record, result)
-
-    def _fail(self, record: _JobRecord, reason: str) -> None:
-        job = record.job
-        self._post(record, JobResult(
+        A job already reported is left as it was, so a fallback ``fail_job`` after a possible
+        report is safe.
+        """
+        job = handle.job
+        self._post(handle, JobResult(
             job_id=job.job_id,
             success=False,
             is_promotion=job.is_promotion,
@@ -837,28 +446,37 @@ class SecondaryTier(abc.ABC):
             failure_reason=reason,
         ))
 
-    def _post(self, record: _JobRecord, result: JobResult) -> None:
+    def record_transfer(self, direction: str, nbytes: int, seconds: float) -> None:
+        """Count ``nbytes`` moved in ``seconds``: ``"load"`` tier → host, ``"store"`` host → tier.
+
+        The framework calls it for the jobs it runs; a subclass calls it for bytes it moves itself.
+        """
+        self._tier_counters.record_transfer(direction, nbytes, seconds)
+
+    @property
+    def has_open_jobs(self) -> bool:
+        """True while a job is submitted or opened and not yet reported."""
+        return bool(self._unfinished)
+
+    @property
+    def closing(self) -> bool:
+        """True once :meth:`aclose` was called or :meth:`run` is on its way out."""
+        return self._tier_closing
+
+    def _post(self, record: JobHandle, result: JobResult) -> None:
         """Report ``record`` once; a second report of the same job is ignored (exactly once)."""
         if self._unfinished.pop(id(record), None) is None:
             return
-        direction = record.direction
-        outcome = "success" if result.success else "failure"
-        self._job_latency[(direction, outcome)].observe(max(0.0, time.monotonic() - record.job.submit_time))
-        if result.success:
-            self._jobs_completed[direction] += 1
-        else:
-            self._count_failure(direction, result.failure_reason or "internal")
+        self._tier_counters.job_reported(record.direction, result.success, result.failure_reason,
+                                         time.monotonic() - record.job.submit_time)
         self._result_send.send_nowait(result)
         if not self._unfinished:
             self._idle_event.set()
-        self._notify()
-
-    def _count_failure(self, direction: str, reason: str) -> None:
-        self._failure_counts[(direction, reason)] = self._failure_counts.get((direction, reason), 0) + 1
+        self.notify_manager()
 
     def _flush_unfinished(self, reason: str) -> None:
         for record in list(self._unfinished.values()):
-            self._fail(record, reason)
+            self.fail_job(record, reason)
 
     # --- lifecycle -----------------------------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -879,8 +497,8 @@ class SecondaryTier(abc.ABC):
             await self.open()
             opened = True
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._dispatch, self._load_recv, self.max_concurrent_loads)
-                tg.start_soon(self._dispatch, self._store_recv, self.max_concurrent_stores)
+                tg.start_soon(self._job_runner.dispatch, self._load_recv, self.max_concurrent_loads)
+                tg.start_soon(self._job_runner.dispatch, self._store_recv, self.max_concurrent_stores)
                 tg.start_soon(self._lookup_worker)
                 task_status.started()
                 await self._stop_requested.wait()
@@ -938,13 +556,15 @@ class SecondaryTier(abc.ABC):
     def serve_external_requests(self, parent: ParentManager) -> None:
         """Answer requests that came from outside (a peer's lookups) through ``parent``.
 
-        Called by the manager on every poll, on the loop thread. ``parent`` is valid only during
+        Called by the manager on every poll, on the loop thread, when the class declares
+        :attr:`serves_external_requests`. ``parent`` is valid only during
         the call; it is the manager with this tier excluded (see :class:`ParentManager`).
         Default: nothing.
         """
 
     def touch(self, keys: Sequence[bytes], ctx: RequestContext | None = None) -> None:
-        """The manager used ``keys`` for a request (recency hint; default: nothing)."""
+        """The manager used ``keys`` for a request (recency hint, with ``supports_touch``;
+        default: nothing)."""
 
     def on_request_finished(self, ctx: RequestContext) -> None:
         """The request is done and all its cascades were submitted (default: nothing)."""
@@ -965,7 +585,9 @@ class SecondaryTier(abc.ABC):
         """
         self._removal_listener = cb
 
-    def _notify(self) -> None:
+    def notify_manager(self) -> None:
+        """Call the wakeup callback (see :meth:`set_wakeup`): a result, a verdict or an external
+        request is ready. The framework calls it for what it posts; subclasses for their own."""
         if self._wakeup is not None:
             try:
                 self._wakeup()
@@ -993,6 +615,9 @@ class SecondaryTier(abc.ABC):
 
     def emit_stored(self, keys: Sequence[bytes]) -> None:
         """Publish that the tier now holds ``keys`` (done automatically for successful stores)."""
+        if self._reports_to is not None:
+            self._reports_to.emit_stored(keys)
+            return
         if keys and self.events_enabled:
             self._pending_events.append(self._make_event(keys, False, None))
 
@@ -1003,6 +628,9 @@ class SecondaryTier(abc.ABC):
         """
         if not keys:
             return
+        if self._reports_to is not None:
+            self._reports_to.emit_removed(keys, reason)
+            return
         self.mark_miss(keys)
         if self._removal_listener is not None:
             try:
@@ -1012,6 +640,16 @@ class SecondaryTier(abc.ABC):
         if self.events_enabled:
             self._pending_events.append(self._make_event(keys, True, reason))
 
+    def report_to(self, outer: SecondaryTier) -> None:
+        """For wrappers that run this tier's primitives inside their own jobs (``FaultyTier``):
+        from now on, what this tier reports on its own (stored and removed chunks, evictions,
+        usage, the metrics it declares) is reported by ``outer``; its metrics and usage so far
+        move there too. ``ValueError`` if ``outer`` already declares one of its metric names.
+        """
+        self._tier_counters.move_metrics_to(outer._tier_counters, outer.label)
+        outer.set_usage(self._tier_counters.bytes_used, self._tier_counters.capacity_bytes)
+        self._reports_to = outer
+
     def take_events(self) -> list[OffloadingEvent]:
         """The events emitted since the last call, in order."""
         events, self._pending_events = self._pending_events, []
@@ -1020,13 +658,17 @@ class SecondaryTier(abc.ABC):
     # --- statistics ----------------------------------------------------------------------------
     def record_eviction(self, age_s: float) -> None:
         """Count one chunk evicted ``age_s`` seconds after it was stored."""
-        self._eviction_count += 1
-        self._eviction_age_hist.observe(max(0.0, age_s))
+        if self._reports_to is not None:
+            self._reports_to.record_eviction(age_s)
+            return
+        self._tier_counters.record_eviction(age_s)
 
     def set_usage(self, bytes_used: int | None, capacity_bytes: int | None) -> None:
         """Report the tier's occupancy (None = not accounted)."""
-        self._usage_bytes = bytes_used
-        self._usage_capacity = capacity_bytes
+        if self._reports_to is not None:
+            self._reports_to.set_usage(bytes_used, capacity_bytes)
+            return
+        self._tier_counters.set_usage(bytes_used, capacity_bytes)
 
     def add_metric(self, name: str, kind: str, documentation: str,
                    labels: Sequence[str] = ()) -> MetricFamily:
@@ -1036,48 +678,15 @@ class SecondaryTier(abc.ABC):
         name it after the tier type without a ``kvtier_`` prefix (``fs_rejected_chunks``).
         Raises ``ValueError`` for a bad name/kind or a name already declared by this tier.
         """
-        if not _METRIC_NAME.match(name):
-            raise ValueError(f"invalid metric name {name!r}")
-        if kind not in _METRIC_KINDS:
-            raise ValueError(f"metric kind must be one of {sorted(_METRIC_KINDS)}, got {kind!r}")
-        if name in self._metric_families:
-            raise ValueError(f"metric {name!r} is already declared by tier {self.label}")
-        family = MetricFamily(name, kind, documentation, tuple(labels))
-        self._metric_families[name] = family
-        return family
+        if self._reports_to is not None:
+            return self._reports_to.add_metric(name, kind, documentation, labels)
+        return self._tier_counters.add_metric(name, kind, documentation, labels, self.label)
 
     def statistics(self) -> TierStatistics:
         """A frozen snapshot of the counters; later activity does not change it."""
         queued = self._load_send.statistics().current_buffer_used + \
             self._store_send.statistics().current_buffer_used
-        return TierStatistics(
-            label=self.label,
-            tier_type=self.tier_type,
-            lookups=self._lookup_count,
-            hits=self._lookup_hits,
-            bytes_read=self._read_bytes_total,
-            bytes_written=self._written_bytes_total,
-            seconds_read=self._read_seconds_total,
-            seconds_written=self._written_seconds_total,
-            loads_in_flight=self._jobs_running["load"],
-            stores_in_flight=self._jobs_running["store"],
-            queued_jobs=queued,
-            loads_completed=self._jobs_completed["load"],
-            stores_completed=self._jobs_completed["store"],
-            failures=types.MappingProxyType(dict(self._failure_counts)),
-            rejected_jobs=self._rejected_jobs,
-            evictions=self._eviction_count,
-            eviction_age=self._eviction_age_hist.snapshot(),
-            load_latency=types.MappingProxyType({
-                outcome: self._job_latency[("load", outcome)].snapshot() for outcome in ("success", "failure")
-            }),
-            store_latency=types.MappingProxyType({
-                outcome: self._job_latency[("store", outcome)].snapshot() for outcome in ("success", "failure")
-            }),
-            bytes_used=self._usage_bytes,
-            capacity_bytes=self._usage_capacity,
-            custom_metrics=tuple(copy.deepcopy(list(self._metric_families.values()))),
-        )
+        return self._tier_counters.snapshot(self.label, self.tier_type, queued)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(label={self.label!r})"

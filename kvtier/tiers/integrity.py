@@ -23,8 +23,9 @@ On-disk (or in-object) format of one chunk, format version 2::
 The tail sits at the same place in every version, so a reader always learns the version first.
 The identity binds the bytes to one chunk of one run (and rank, where ranks keep separate trees): a
 valid chunk file renamed or copied over another chunk's name, or moved between runs or ranks,
-fails with ``wrong_chunk`` although its checksum holds. Version-1 files (kvtier 0.1, no identity) are rejected with ``old_version`` — they cannot
-prove which chunk they are — and so are removed and recomputed, once, as any miss is.
+fails with ``wrong_chunk`` although its checksum holds. Version-1 files (no identity) are rejected
+with ``old_version`` — they cannot prove which chunk they are — and so are removed and
+recomputed, once, as any miss is.
 
 Why a whole trailer page: an ``O_DIRECT`` writer may only write page-aligned lengths, and one
 format must serve buffered and direct writers alike, so every writer appends the same page.
@@ -55,6 +56,7 @@ __all__ = [
     "FORMAT_VERSION",
     "TRAILER_SIZE",
     "TRAILER_PAGE",
+    "TAIL_SIZE",
     "MAX_KEY_BYTES",
     "SizeClass",
     "Verdict",
@@ -64,6 +66,7 @@ __all__ = [
     "make_trailer_page",
     "stored_size",
     "classify_size",
+    "recorded_length",
     "verify",
     "REJECT_REASONS",
 ]
@@ -163,6 +166,16 @@ def classify_size(size: int, slot_bytes: int) -> SizeClass:
     if size == slot_bytes:
         return SizeClass.RAW
     return SizeClass.SHORT if size < slot_bytes + TRAILER_PAGE else SizeClass.LONG
+
+
+def recorded_length(tail: bytes | memoryview) -> int | None:
+    """The payload length a stored chunk's tail records (``tail``: its last :data:`TAIL_SIZE`
+    bytes); None when ``tail`` is not a kvtier tail (wrong size or magic). Nothing else is
+    checked: this tells a tree's slot size from one file, it does not verify the file."""
+    if len(tail) != TAIL_SIZE:
+        return None
+    magic, _version, _flags, length, _digest = _TAIL.unpack(tail)
+    return length if magic == MAGIC else None
 
 
 def verify(payload: memoryview | bytes, trailer_page: memoryview | bytes | bytearray | None,

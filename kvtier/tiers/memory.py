@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvtier.context import RequestContext
 from kvtier.errors import ConfigError
-from kvtier.tiers.base import ChunkCorrupt, ChunkNotFound, SecondaryTier, TierContext, TierIOError
+from kvtier.tiers.base import SecondaryTier, TierContext
+from kvtier.tiers.errors import ChunkCorrupt, ChunkNotFound, TierIOError
 from kvtier.types import Medium
 
 if TYPE_CHECKING:
@@ -44,6 +45,8 @@ class MemoryTier(SecondaryTier):
 
     tier_type: ClassVar[str] = "memory"
     medium: ClassVar[Medium | None] = Medium.CPU
+    supports_delete: ClassVar[bool] = True
+    supports_touch: ClassVar[bool] = True
     #: Used when the options omit ``capacity_bytes`` (None: the option is required).
     default_capacity_bytes: ClassVar[int | None] = None
 

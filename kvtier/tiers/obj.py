@@ -10,7 +10,7 @@ Keys. One object per chunk, named by the same run-digest namespace as the fs tie
 
 kvtier strips leading/trailing ``/`` from ``prefix`` and joins with a single ``/``; without a
 prefix the key starts with the model segment. vLLM 0.33 literally produces ``/<model>_…`` (no
-prefix) and ``<prefix>//<model>_…`` (reference §4.2). kvtier does NOT reproduce that by default:
+prefix) and ``<prefix>//<model>_…``. kvtier does NOT reproduce that by default:
 empty path segments are normalised away or rejected by several S3-compatible stores and proxies,
 and break ``aws s3 ls``-style tooling. :func:`object_key` keeps the quirk behind
 ``vllm_compatible=True`` (a future option; not yet a config key) for sharing a bucket with vLLM.
@@ -83,9 +83,11 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import anyio
 
+from kvtier.config.tiers import tier_option
 from kvtier.errors import ConfigError
 from kvtier.layout import Namespace, namespace
-from kvtier.tiers.base import ChunkCorrupt, ChunkNotFound, SecondaryTier, TierContext, TierIOError
+from kvtier.tiers.base import SecondaryTier, TierContext
+from kvtier.tiers.errors import ChunkCorrupt, ChunkNotFound, TierIOError
 from kvtier.tiers.integrity import (
     REJECT_REASONS,
     TRAILER_PAGE,
@@ -321,13 +323,13 @@ class ObjectStoreTier(SecondaryTier):
         if bool(self._credentials[0]) != bool(self._credentials[1]):
             raise ConfigError(f"{where}.store_config: give both access_key and secret_key, or neither "
                               "(then the SDK's default credential chain applies)")
-        self.prefix: str = str(options.get("prefix") or "").strip("/")
-        self.io_threads = int(options.get("io_threads", 4))
-        self.request_timeout_s = float(options.get("request_timeout_s", 10.0))
-        self.accept_unverified_chunks = bool(options.get("accept_unverified_chunks", False))
+        self.prefix: str = str(tier_option(config, "prefix") or "").strip("/")
+        self.io_threads = int(tier_option(config, "io_threads"))
+        self.request_timeout_s = float(tier_option(config, "request_timeout_s"))
+        self.accept_unverified_chunks = bool(tier_option(config, "accept_unverified_chunks"))
         tunables.setdefault("max_concurrent_loads", self.io_threads)
         tunables.setdefault("max_concurrent_stores", self.io_threads)
-        tunables.setdefault("lookup_timeout_s", float(options.get("lookup_timeout_s", 5.0)))
+        tunables.setdefault("lookup_timeout_s", float(tier_option(config, "lookup_timeout_s")))
         super().__init__(config, context, **tunables)
         self.namespace: Namespace = namespace(self.prefix, context.run_fields, context.rank)
         self.breaker = CircuitBreaker(self.breaker_threshold, self.breaker_open_s)
@@ -386,7 +388,7 @@ class ObjectStoreTier(SecondaryTier):
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
             # A supplied string is sent as is; without one botocore rebuilds (and sanitises, char
-            # by char) its structured user agent twice per request: ~75 µs of CPU per request.
+            # by char) its structured user agent twice per request, a CPU cost on every call.
             user_agent=_user_agent(),
         )
         kwargs: dict[str, Any] = {"endpoint_url": self.endpoint_url, "config": config}

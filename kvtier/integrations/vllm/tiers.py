@@ -234,7 +234,7 @@ class _KvtierTier(SecondaryTierManager):
             raise
         self._negative_ttl_s = self._tier.negative_ttl_s
         self._answer_within_s = self._tier.lookup_timeout_s + _ANSWER_GRACE_S
-        self._forwards_touch = type(self._tier).touch is not kbase.SecondaryTier.touch
+        self._forwards_touch = self._tier.supports_touch  # a tier that ignores touches is not woken for them
 
     # --- loop side -------------------------------------------------------------------------
     async def _start_on_loop(self) -> kbase.SecondaryTier:

@@ -154,7 +154,7 @@ def _open_beneath(dir_fd: int, relpath: str, flags: int, mode: int = 0o644) -> i
 
 def _prepare(flags: int, mode: int, cached_only: bool) -> _Opener:
     """The open of :func:`_open_beneath` for ``flags``/``mode``, built once and kept: the load
-    path's hot spot (a page-cache chunk read takes ~35 µs, this ~4) is then one ``openat2``
+    path's hot spot (a large share of a page-cache chunk read) is then one ``openat2``
     through ctypes with everything bound, the path encoded directly (layout paths are ASCII).
     ``cached_only`` adds ``RESOLVE_CACHED`` (see :func:`open_file`)."""
     fn = _openat2_fn()
@@ -176,7 +176,7 @@ def _prepare(flags: int, mode: int, cached_only: bool) -> _Opener:
         prepared: _Opener = open_walking
     else:
         syscall, nr = fn
-        # openat2 refuses a mode without O_CREAT. The reference keeps the structure alive.
+        # openat2 refuses a mode without O_CREAT. ``how`` (a ctypes reference) keeps the structure alive.
         resolve = _RESOLVE | (_RESOLVE_CACHED if cached_only else 0)
         how = ctypes.byref(_OpenHow(all_flags, mode if flags & os.O_CREAT else 0, resolve))
         size = ctypes.sizeof(_OpenHow)

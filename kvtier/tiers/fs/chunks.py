@@ -1,9 +1,9 @@
-"""Blocking file primitives of the filesystem tier and the dual-queue thread pool that runs them.
+"""Chunk files: the fs tier's blocking primitives to publish, read, verify and remove one chunk.
 
-Everything here is synchronous except :class:`DualQueuePool`'s awaitable front door. The
-primitives never touch tier bookkeeping; they take a directory descriptor (the run's block tree,
-held open by the tier), a path relative to it and buffers, and either return or raise ``OSError``
-(mapped to a tier error by the caller).
+They never touch tier bookkeeping; they take a directory descriptor (the run's block tree, held
+open by the tier), a path relative to it and buffers, and either return or raise ``OSError``
+(mapped to a tier error by the caller). The tier runs them on its thread pool
+(:mod:`kvtier.tiers.fs.pool`).
 
 Containment (:mod:`kvtier.tiers.fs.beneath`): every path is resolved beneath that descriptor
 without following a symbolic link at any level, and only regular files are read, so a link or a
@@ -11,36 +11,27 @@ special file planted in the tree never redirects a read or a write and never blo
 it surfaces as :class:`~kvtier.tiers.fs.beneath.UnsafeEntry` (reads: the ``not_regular`` verdict).
 
 Atomic publication (:func:`write_chunk`): bytes go to a unique temporary name *in the destination
-directory* (``<name>_<random 63-bit int>.tmp``, opened ``O_EXCL``) and are renamed over the final
-name, so a reader sees either no file or a complete one; a failed write removes its temporary file,
-and a crash leaves at most a stray ``.tmp`` file, which the fs tier's scan
-(:func:`kvtier.tiers.fs.scan.walk_tops`) removes once it is older than a grace period. No ``fsync``: chunks are a cache, losing the last ones on power failure only
-costs a recompute, and the trailer check catches torn pages.
+directory* (:func:`kvtier.tiers.fs.tree.chunk_tmp_name`, opened ``O_EXCL``) and are renamed over
+the final name, so a reader sees either no file or a complete one; a failed write removes its
+temporary file, and a crash leaves at most a stray ``.tmp`` file, which the fs tier's scan
+(:func:`kvtier.tiers.fs.scan.walk_tops`) removes once it is older than a grace period. No
+``fsync``: chunks are a cache, losing the last ones on power failure only costs a recompute, and
+the trailer check catches torn pages.
 """
 
 from __future__ import annotations
 
-import collections
 import ctypes
-import enum
 import errno
 import mmap
 import os
-import secrets
 import stat
 import sys
 import threading
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
 
-import anyio
-import anyio.from_thread
-import anyio.lowlevel
-
-from kvtier.tiers.fs import beneath as fs_beneath
+from kvtier.tiers.fs import beneath, tree
 from kvtier.tiers.fs.beneath import UnsafeEntry
-from kvtier.tiers.fs.scan import PROBE_PREFIX
 from kvtier.tiers.integrity import (
     TRAILER_PAGE,
     SizeClass,
@@ -51,23 +42,15 @@ from kvtier.tiers.integrity import (
 )
 
 __all__ = [
-    "IOQueue",
-    "DualQueuePool",
-    "PoolStatistics",
     "probe_o_direct",
     "write_chunk",
     "read_chunk",
     "load_chunk",
     "ReadOutcome",
     "remove_file",
-    "TMP_SUFFIX",
-    "PROBE_PREFIX",
-    "usable_cpus",
+    "in_memory_fs",
 ]
 
-T = TypeVar("T")
-
-TMP_SUFFIX = ".tmp"
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _O_NOATIME: int = getattr(os, "O_NOATIME", 0)
 _RWF_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
@@ -106,12 +89,13 @@ def _scratch_page() -> memoryview:
 def probe_o_direct(dir_fd: int) -> bool:
     """Whether the filesystem of directory ``dir_fd`` accepts an aligned ``O_DIRECT`` write
     (tmpfs, overlayfs and some NFS mounts do not). Writes and deletes one hidden probe file
-    (``PROBE_PREFIX_<n>``); one left by a crash is swept by the start-up scan (:mod:`kvtier.tiers.fs.scan`)."""
+    (:func:`kvtier.tiers.fs.tree.probe_name`); one left by a crash is swept by the start-up scan
+    (:mod:`kvtier.tiers.fs.scan`)."""
     if not _O_DIRECT:
         return False
-    name = f"{PROBE_PREFIX}_{secrets.randbits(63)}"
+    name = tree.probe_name()
     try:
-        fd = fs_beneath.open_file(dir_fd, name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_DIRECT)
+        fd = beneath.open_file(dir_fd, name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_DIRECT)
     except OSError:
         return False
     try:
@@ -142,7 +126,7 @@ def write_chunk(dir_fd: int, relpath: str, payload: memoryview, trailer_page: by
     """
     head, _, name = relpath.rpartition("/")
     total = len(payload) + len(trailer_page)
-    parent = fs_beneath.open_dir(dir_fd, head, create=True)
+    parent = beneath.open_dir(dir_fd, head, create=True)
     try:
         try:
             st = os.stat(name, dir_fd=parent, follow_symlinks=False)
@@ -153,7 +137,7 @@ def write_chunk(dir_fd: int, relpath: str, payload: memoryview, trailer_page: by
                 return 0
             if stat.S_ISDIR(st.st_mode):
                 raise UnsafeEntry(relpath, "a directory where a chunk file belongs")
-        tmp = f"{name}_{secrets.randbits(63)}{TMP_SUFFIX}"
+        tmp = tree.chunk_tmp_name(name)
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
                      | (_O_DIRECT if o_direct else 0), 0o644, dir_fd=parent)
         try:
@@ -212,8 +196,8 @@ def _open_for_read(dir_fd: int, relpath: str, o_direct: bool, *, regular_only: b
     """Open chunk file ``relpath`` for reading: ``O_NOATIME`` where allowed, ``O_DIRECT`` if asked.
 
     ``O_NOATIME``: under ``relatime`` the first read of a freshly written file updates its
-    atime, a metadata write per chunk that cost 6–12% of a page-cache load in our measurements;
-    kvtier's recency never uses atime. The kernel refuses it (``EPERM``) on files the process
+    atime, a metadata write per chunk that a page-cache load feels; kvtier's recency never uses
+    atime. The kernel refuses it (``EPERM``) on files the process
     does not own (a ``root_dir`` shared between users): those open without it. ``O_DIRECT`` is
     dropped (``EINVAL``) for a file on a filesystem without it (a mount below ``root_dir``).
     Raises :class:`UnsafeEntry` for anything but a regular file reached without links (see
@@ -222,7 +206,7 @@ def _open_for_read(dir_fd: int, relpath: str, o_direct: bool, *, regular_only: b
     flags = os.O_RDONLY | _O_NOATIME | (_O_DIRECT if o_direct else 0)
     while True:
         try:
-            return fs_beneath.open_file(dir_fd, relpath, flags, regular_only=regular_only, cached_only=cached_only)
+            return beneath.open_file(dir_fd, relpath, flags, regular_only=regular_only, cached_only=cached_only)
         except UnsafeEntry:
             raise
         except OSError as exc:
@@ -285,11 +269,11 @@ def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes
     thread that may wait. ``nowait`` with ``o_direct`` is a ``ValueError`` (a direct read waits
     for the device).
 
-    Why it differs from :func:`read_chunk` (each step is measurable at page-cache speeds, where
-    a 256 KiB chunk takes ~25 µs): ONE ``preadv`` into ``dst`` then two scratch pages (the
-    trailer page, a spare one) tells the size class, since reading stops at end of file and a
-    file longer than a chunk spills into the spare page; and the trailer is checked in place, in
-    this thread's scratch page, before anything on this thread can reuse it (no copy).
+    Why it differs from :func:`read_chunk` (each step is measurable at page-cache speeds): ONE
+    ``preadv`` into ``dst`` then two scratch pages (the trailer page, a spare one) tells the size
+    class, since reading stops at end of file and a file longer than a chunk spills into the spare
+    page; and the trailer is checked in place, in this thread's scratch page, before anything on
+    this thread can reuse it (no copy).
     """
     if nowait and (o_direct or not _RWF_NOWAIT):
         if o_direct:  # a direct read waits for the device whatever the flag says
@@ -333,7 +317,7 @@ def remove_file(dir_fd: int, relpath: str) -> bool:
     """Delete what is at ``relpath`` beneath ``dir_fd`` without following links (see
     :func:`~kvtier.tiers.fs.beneath.remove_entry`); ``False`` if it was already gone (not an
     error: others share the tree)."""
-    return fs_beneath.remove_entry(dir_fd, relpath)
+    return beneath.remove_entry(dir_fd, relpath)
 
 
 def _unlink_quietly(name: str, dir_fd: int) -> None:
@@ -341,57 +325,6 @@ def _unlink_quietly(name: str, dir_fd: int) -> None:
         os.unlink(name, dir_fd=dir_fd)
     except OSError:
         pass
-
-
-# ------------------------------------------------------------------------------------------------
-# Dual-queue thread pool
-# ------------------------------------------------------------------------------------------------
-
-
-class IOQueue(enum.Enum):
-    """Which queue a task joins: loads go to ``READ``, stores and deletions to ``WRITE``."""
-
-    READ = "read"
-    WRITE = "write"
-
-
-class _State(enum.Enum):
-    QUEUED = 0
-    RUNNING = 1
-    FINISHED = 2
-
-
-class _Waitable:
-    """Something the loop awaits: one task, or a batch of tasks reported together."""
-
-    __slots__ = ("done",)
-
-    def __init__(self) -> None:
-        self.done = anyio.Event()
-
-
-class _Task(_Waitable, Generic[T]):
-    __slots__ = ("fn", "args", "state", "result", "error", "batch")
-
-    def __init__(self, fn: Callable[..., T], args: tuple[Any, ...], batch: _Batch | None = None) -> None:
-        if batch is None:
-            super().__init__()  # a task of a batch is awaited through the batch's event only
-        self.fn = fn
-        self.args = args
-        self.state = _State.QUEUED
-        self.result: T | None = None
-        self.error: BaseException | None = None
-        self.batch = batch
-
-
-class _Batch(_Waitable):
-    """Tasks submitted together; the loop is woken once, when the last one finished."""
-
-    __slots__ = ("remaining",)
-
-    def __init__(self, size: int) -> None:
-        super().__init__()
-        self.remaining = size
 
 
 _MEMORY_FS_MAGIC = frozenset({0x01021994, 0x858458F6})  # tmpfs, ramfs (statfs(2) f_type)
@@ -410,282 +343,3 @@ def in_memory_fs(fd: int) -> bool:
     except (OSError, AttributeError):
         return False
     return ctypes.c_long.from_buffer(buf).value in _MEMORY_FS_MAGIC
-
-
-def usable_cpus() -> int:
-    """CPU cores this process may run on (its affinity mask, which container limits narrow)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        return os.cpu_count() or 1
-
-
-def _call_each(fn: Callable[..., T], arg_tuples: Sequence[tuple[Any, ...]]) -> list[T | Exception]:
-    """Worker side of ``run_batch``: ``fn(*args)`` for each ``args``, or the exception it raised.
-
-    Results are plain values, not wrapper objects: at page-cache speeds a chunk takes ~20 µs and
-    every bytecode run under the GIL per chunk is felt by all workers.
-    """
-    results: list[T | Exception] = []
-    for args in arg_tuples:
-        try:
-            results.append(fn(*args))
-        except Exception as exc:  # noqa: BLE001 - reported per call to the awaiting tier
-            results.append(exc)
-    return results
-
-
-@dataclass(frozen=True, slots=True)
-class PoolStatistics:
-    queued_reads: int
-    queued_writes: int
-    running: int
-    completed: int
-    read_threads: int
-    write_threads: int
-
-
-class DualQueuePool:
-    """``n_read`` read-priority and ``n_write`` write-priority worker threads over two FIFO queues.
-
-    A worker takes from its own queue when it is non-empty and otherwise *steals* from the other
-    one, so a burst of stores never leaves the read workers idle (and vice versa) while each
-    direction keeps its reserved workers. Every task is queued separately, so the tasks of one
-    :meth:`run_batch` (one job's chunks) run in parallel across workers.
-
-    Hand-off to the event loop: a worker never waits for the loop. Finished work is collected
-    under the pool's lock and the loop is woken with a non-blocking ``run_sync_soon`` (asyncio
-    ``call_soon_threadsafe`` / trio ``run_sync_soon``), at most one wake-up pending at a time; a
-    batch wakes the loop once, not once per task.
-
-    Lifecycle: :meth:`start` from the event-loop thread (it records the loop's token so workers
-    can wake it on asyncio and trio alike), :meth:`aclose` once; the threads are owned by the pool
-    and joined in ``aclose``. Queues are unbounded: back-pressure is the caller's (the tier bounds
-    concurrent stores/loads), so :meth:`run` never blocks on a full queue.
-    """
-
-    def __init__(self, n_read: int, n_write: int, *, name: str = "kvtier-io", batch_slices: int | None = None) -> None:
-        if n_read < 1 or n_write < 1:
-            raise ValueError(f"a pool needs ≥ 1 read and ≥ 1 write thread, got {n_read}/{n_write}")
-        if batch_slices is not None and batch_slices < 1:
-            raise ValueError(f"batch_slices must be ≥ 1, got {batch_slices}")
-        self._n_read = n_read
-        self._n_write = n_write
-        #: How many slices :meth:`run_batch` cuts a batch into (see there).
-        self.batch_slices = batch_slices or min(n_read + n_write, usable_cpus())
-        self._name = name
-        self._cond = threading.Condition()
-        self._queues: dict[IOQueue, collections.deque[_Task[Any]]] = {
-            IOQueue.READ: collections.deque(),
-            IOQueue.WRITE: collections.deque(),
-        }
-        self._finished: list[_Waitable] = []
-        self._wake_pending = False
-        self._running = 0
-        self._completed = 0
-        self._stopping = False
-        self._threads: list[threading.Thread] = []
-        self._token: anyio.lowlevel.EventLoopToken | None = None
-
-    def start(self) -> None:
-        """Start the worker threads. Call once, from the event loop that will await :meth:`run`."""
-        if self._threads:
-            raise RuntimeError("pool already started")
-        self._token = anyio.lowlevel.current_token()
-        for i in range(self._n_read + self._n_write):
-            own = IOQueue.READ if i < self._n_read else IOQueue.WRITE
-            suffix = f"r{i}" if own is IOQueue.READ else f"w{i - self._n_read}"
-            thread = threading.Thread(target=self._worker, args=(own,), name=f"{self._name}-{suffix}", daemon=True)
-            self._threads.append(thread)
-            thread.start()
-
-    async def run(self, queue: IOQueue, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` on a worker; return its result or raise its exception.
-
-        Cancellation: a task still queued is withdrawn and never runs. A task already running
-        cannot be interrupted (it may be filling a caller's buffer), so cancellation waits,
-        shielded, until it finishes and then re-raises the cancellation — when this returns or
-        raises, no thread touches ``args`` any more. Raises ``anyio.ClosedResourceError`` after
-        :meth:`aclose`.
-        """
-        task: _Task[T] = _Task(fn, args)
-        with self._cond:
-            if self._stopping or not self._threads:
-                raise anyio.ClosedResourceError("I/O pool is not running")
-            self._queues[queue].append(task)
-            self._cond.notify()
-        try:
-            await task.done.wait()
-        except BaseException:
-            with self._cond:
-                if task.state is _State.QUEUED and task in self._queues[queue]:
-                    self._queues[queue].remove(task)
-                    raise
-            with anyio.CancelScope(shield=True):
-                await task.done.wait()
-            raise
-        if task.error is not None:
-            raise task.error
-        return task.result  # type: ignore[return-value]
-
-    async def run_batch(self, queue: IOQueue, fn: Callable[..., T],
-                        arg_tuples: Sequence[tuple[Any, ...]]) -> list[T | BaseException]:
-        """Run ``fn(*args)`` for every ``args`` of ``arg_tuples`` in parallel across workers.
-
-        Returns one result per call, co-indexed: the value ``fn`` returned, or the exception it
-        raised (a failing call does not stop the others; ``fn`` must not *return* exceptions).
-        Calls are queued in :attr:`batch_slices` slices of consecutive calls, each run by one
-        worker; the caller is woken ONCE, when the last slice finished.
-        Cancellation as in :meth:`run`: queued slices are withdrawn and never run, running ones
-        are waited for (shielded), then the cancellation propagates — afterwards no thread
-        touches any ``args``.
-        Raises ``anyio.ClosedResourceError`` after :meth:`aclose`.
-        """
-        if not arg_tuples:
-            return []
-        # Slices, not single calls: one lock/wake-up/result per slice rather than per chunk (a
-        # page-cache read of a 256 KiB chunk takes ~20 µs, comparable to a hand-off). As many
-        # slices as CPU cores by default: page-cache copies and checksums are CPU work, so more
-        # threads on one batch than cores only add switching. Measured with 4 workers on 2 cores,
-        # 64 × 256 KiB page-cache loads per batch (GiB/s): one batch alone — 1 slice 10.9,
-        # 2 slices 16.0, 8 slices 13.2; four batches at once — 1 or 2 slices each 13.0, 8 each 12.3.
-        size = max(1, -(-len(arg_tuples) // self.batch_slices))
-        slices = [arg_tuples[i : i + size] for i in range(0, len(arg_tuples), size)]
-        batch = _Batch(len(slices))
-        tasks: list[_Task[list[T | Exception]]] = [_Task(_call_each, (fn, part), batch) for part in slices]
-        with self._cond:
-            if self._stopping or not self._threads:
-                raise anyio.ClosedResourceError("I/O pool is not running")
-            self._queues[queue].extend(tasks)
-            self._cond.notify(len(tasks))
-        try:
-            await batch.done.wait()
-        except BaseException:
-            with self._cond:
-                withdrawn = [t for t in tasks if t.state is _State.QUEUED]
-                if withdrawn:
-                    ids = {id(t) for t in withdrawn}
-                    q = self._queues[queue]
-                    kept = [t for t in q if id(t) not in ids]
-                    q.clear()
-                    q.extend(kept)
-                    for t in withdrawn:
-                        t.state = _State.FINISHED
-                    batch.remaining -= len(withdrawn)
-                outstanding = batch.remaining > 0
-            if outstanding:
-                with anyio.CancelScope(shield=True):
-                    await batch.done.wait()
-            raise
-        results: list[T | BaseException] = []
-        for task, part in zip(tasks, slices):
-            if task.error is not None:  # the slice never ran (pool closed): every call failed
-                results.extend([task.error] * len(part))
-            else:
-                assert task.result is not None
-                results.extend(task.result)
-        return results
-
-    def statistics(self) -> PoolStatistics:
-        with self._cond:
-            return PoolStatistics(
-                queued_reads=len(self._queues[IOQueue.READ]),
-                queued_writes=len(self._queues[IOQueue.WRITE]),
-                running=self._running,
-                completed=self._completed,
-                read_threads=self._n_read,
-                write_threads=self._n_write,
-            )
-
-    async def aclose(self) -> None:
-        """Stop accepting tasks, fail the ones still queued, let running ones finish, join.
-
-        Joining happens off the event loop. Shielded from cancellation: the threads are always
-        joined before this returns.
-        """
-        with self._cond:
-            self._stopping = True
-            leftovers = [t for q in self._queues.values() for t in q]
-            for q in self._queues.values():
-                q.clear()
-            for t in leftovers:
-                t.error = anyio.ClosedResourceError("I/O pool closed before the task ran")
-                self._settle_locked(t)
-            self._cond.notify_all()
-        with anyio.CancelScope(shield=True):
-            threads, self._threads = self._threads, []
-            await anyio.to_thread.run_sync(_join_all, threads, limiter=anyio.CapacityLimiter(1))
-            self._dispatch()
-
-    # --- worker side --------------------------------------------------------------------------
-    def _worker(self, own: IOQueue) -> None:
-        other = IOQueue.WRITE if own is IOQueue.READ else IOQueue.READ
-        mine, theirs = self._queues[own], self._queues[other]
-        while True:
-            with self._cond:
-                while not (self._stopping or mine or theirs):
-                    self._cond.wait()
-                if self._stopping:
-                    return
-                task = mine.popleft() if mine else theirs.popleft()
-                task.state = _State.RUNNING
-                self._running += 1
-            try:
-                task.result = task.fn(*task.args)
-            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
-                task.error = exc
-            with self._cond:
-                self._running -= 1
-                self._completed += 1
-                need_wake = self._settle_locked(task)
-            # An idle worker must not keep its last task (its buffers, its result) alive.
-            del task
-            if need_wake:
-                self._wake_loop()
-
-    def _settle_locked(self, task: _Task[Any]) -> bool:
-        """Record ``task`` as done (lock held); True when the caller must wake the loop."""
-        batch = task.batch
-        if batch is not None:
-            batch.remaining -= 1
-            if batch.remaining:
-                return False  # the batch's last task reports for all of them
-            self._finished.append(batch)
-        else:
-            self._finished.append(task)
-        if self._wake_pending:
-            return False  # a wake-up is already on its way and will collect this one too
-        self._wake_pending = True
-        return True
-
-    def _wake_loop(self) -> None:
-        token = self._token
-        if token is None:
-            return
-        try:
-            backend = getattr(token, "backend_class", None)
-            if backend is not None and hasattr(backend, "run_sync_soon"):
-                # Non-blocking: the worker goes straight back to the queue instead of waiting
-                # until the loop has run the dispatch (which ``from_thread.run_sync`` would do).
-                # ``backend_class.run_sync_soon`` is anyio's backend interface (checked on 4.16).
-                backend.run_sync_soon(self._dispatch, (), token.native_token)
-            else:  # public, blocking fallback for anyio versions without that interface
-                anyio.from_thread.run_sync(self._dispatch, token=token)
-        except RuntimeError:  # anyio.RunFinishedError included
-            pass  # the loop is gone (process shutting down); nobody awaits these tasks any more
-
-    def _dispatch(self) -> None:
-        """On the loop thread: wake the awaiters of every finished task or batch."""
-        with self._cond:
-            finished, self._finished = self._finished, []
-            self._wake_pending = False
-            for w in finished:
-                if isinstance(w, _Task):
-                    w.state = _State.FINISHED
-        for w in finished:
-            w.done.set()
-
-
-def _join_all(threads: list[threading.Thread]) -> None:
-    for thread in threads:
-        thread.join()

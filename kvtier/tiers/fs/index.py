@@ -30,25 +30,19 @@ import time
 from array import array
 from collections.abc import Iterable, Iterator
 
-from kvtier.tiers.base import TierIOError
-from kvtier.tiers.fs.scan import MAX_KEY_BYTES
+from kvtier.tiers.errors import TierIOError
+from kvtier.tiers.fs.tree import LEAVES_PER_TOP, MAX_KEY_BYTES, TOPS, leaf_of
 
-__all__ = ["ChunkIndex", "MAX_KEY_BYTES", "leaf_of"]
+__all__ = ["ChunkIndex", "MAX_REMOVAL_RECORDS"]
 
 _EMPTY = -1
 _HOT = 0  # slot 0: the hot list's sentinel
 _BUCKETS = 256  # cold buckets, slots 1.._BUCKETS: bucket b holds ages in [2^(b/8), 2^((b+1)/8)) seconds
-_LEAF_BITS = 20  # <hhh>/<hh>: the first 20 bits of the hash name a leaf directory
 _MIGRATE_PER_INSERT = 8
 _MAX_LOAD = 0.6  # of the lookup table: linear probing stays short (~1.75 probes for a hit)
 #: How many recent removals the index remembers for the scans in flight (see :meth:`forget_removals_before`).
 MAX_REMOVAL_RECORDS = 1 << 16
 _RECORD_BYTES = sys.getsizeof(bytes(MAX_KEY_BYTES)) + sys.getsizeof(0.0)  # a record's key and time
-
-
-def leaf_of(key: bytes) -> tuple[int, int]:
-    """``(group, leaf)`` of an offload key: the shard directory its file lives in."""
-    return int.from_bytes(key[-4:], "big"), int.from_bytes(key[:3], "big") >> 4
 
 
 class ChunkIndex:
@@ -410,7 +404,7 @@ class ChunkIndex:
         group, leaf = leaf_of(key)
         heads = self._leaf_heads.get(group)
         if heads is None:
-            heads = self._leaf_heads[group] = array("i", [_EMPTY]) * (1 << _LEAF_BITS)
+            heads = self._leaf_heads[group] = array("i", [_EMPTY]) * (TOPS * LEAVES_PER_TOP)
             self._top_counts[group] = array("i", bytes(4 * 4096))
         self._lnext[slot] = heads[leaf]
         heads[leaf] = slot

@@ -17,14 +17,14 @@ A pass is :func:`list_root` (names only), then :class:`WalkRequest` s of a few t
 each, answered by :func:`walk_tops` with :class:`ScanBatch` es. Requests and batches are msgspec
 structs so that a scan worker process (:func:`worker_main`, driven by
 :mod:`kvtier.tiers.fs.scan_workers`) can walk a big tree off the event loop's interpreter. This
-module imports nothing of kvtier's but :mod:`kvtier.worker_io`: a worker starts in ~0.1 s.
+module imports nothing of kvtier's but the tree's names (:mod:`kvtier.tiers.fs.tree`) and
+:mod:`kvtier.worker_io`, so that a worker starts fast.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import re
 import signal
 import stat
 import struct
@@ -38,28 +38,17 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from kvtier.worker_io import FRAME_HEADER, die_with_parent, requests, write_all
+from kvtier.tiers.fs import tree
+from kvtier.tiers.fs.tree import LEAVES_PER_TOP, MAX_KEY_BYTES, TOPS
+from kvtier.worker_io import die_with_parent, requests, write_all
 
 __all__ = [
-    "MAX_KEY_BYTES", "PROBE_PREFIX", "TOPS", "DIR1", "DIR2", "TMP", "PROBE_NAME", "DIR_FLAGS",
+    "DIR_FLAGS", "RACY_MTIME_S",
     "Leaf", "RootListing", "WalkRequest", "LeafListing", "TopListing", "Other", "ScanBatch", "ScanStopped",
     "LeafMtimes", "PassPlan", "open_dir", "scandir", "list_leaf", "list_root", "walk_tops", "walk_tree",
-    "chunk_key", "worker_main", "FRAME_HEADER", "BATCH_HEADER",
+    "worker_main", "BATCH_HEADER",
 ]
 
-#: Longest offload key a chunk file name may give: a SHA-256 block hash plus the 4-byte group
-#: index (what the fs tier's index stores).
-MAX_KEY_BYTES = 36
-#: Name prefix of the hidden O_DIRECT probe file (``<prefix>_<random int>`` in the block tree).
-PROBE_PREFIX = ".kvtier_odirect_probe"
-TOPS = 4096  # top-level shard directories <hhh>
-_LEAVES_PER_TOP = 256  # second-level shard directories <hh>_g<group>, per group
-
-DIR1 = re.compile(r"[0-9a-f]{3}")
-DIR2 = re.compile(r"([0-9a-f]{2})_g(0|[1-9][0-9]{0,9})")
-TMP = re.compile(r"[0-9a-f]{6,}\.bin_[0-9]{1,20}\.tmp")
-PROBE_NAME = re.compile(re.escape(PROBE_PREFIX) + r"_[0-9]{1,20}")
-_CHUNK = re.compile(r"((?:[0-9a-f]{2}){3,})\.bin")
 DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_NOFOLLOW | os.O_CLOEXEC
 #: A leaf whose mtime is younger than this (seconds) when listed is listed again by the next pass:
 #: timestamps are coarse (and on NFS set by another clock), so a change right after the listing
@@ -69,21 +58,6 @@ RACY_MTIME_S = 2.0
 
 class ScanStopped(Exception):
     """A scan gave up because its ``stop`` event was set (the tier is closing)."""
-
-
-def _parse_leaf_name(name: str) -> tuple[int, int] | None:
-    """``(second-level shard, group)`` of a leaf directory name ``<hh>_g<group>``; None if it is
-    not one (remembered for the next time: trees repeat the same few hundred names)."""
-    match = DIR2.fullmatch(name)
-    if match is None or int(match.group(2)) >= 2**32:
-        return None
-    parsed = int(match.group(1), 16), int(match.group(2))
-    if len(_LEAF_NAMES) < 1 << 16:
-        _LEAF_NAMES[name] = parsed
-    return parsed
-
-
-_LEAF_NAMES: dict[str, tuple[int, int]] = {}
 
 
 def open_dir(parent_fd: int, name: str) -> int | None:
@@ -110,20 +84,6 @@ def scandir(fd: int) -> list[os.DirEntry[str]]:
         return []
 
 
-def chunk_key(name: str, top: str, leaf_hex: str, group: int | bytes) -> bytes | None:
-    """The offload key of chunk file ``name`` in leaf ``<top>/<leaf_hex>_g<group>`` (``group`` may
-    be given as its 4 key bytes); None when the name is not a chunk of that directory (the same
-    rule as :meth:`kvtier.layout.Namespace.key_from_relpath`, without rebuilding the path). The
-    name is ``key[:-4].hex() + ".bin"``."""
-    match = _CHUNK.fullmatch(name)
-    if match is None:
-        return None
-    h = match.group(1)
-    if h[0:3] != top or h[3:5] != leaf_hex or len(h) // 2 + 4 > MAX_KEY_BYTES:
-        return None
-    return bytes.fromhex(h) + (group if isinstance(group, bytes) else group.to_bytes(4, "big"))
-
-
 @dataclass(slots=True)
 class Leaf:
     """One leaf directory's entries, classified (nothing removed)."""
@@ -145,13 +105,13 @@ def list_leaf(leaf_fd: int, top: str, leaf_hex: str, group: int) -> Leaf:
             st = entry.stat(follow_symlinks=False)
         except FileNotFoundError:  # removed meanwhile by another process
             continue
-        key = chunk_key(name, top, leaf_hex, group_bytes)
+        key = tree.chunk_key(name, top, leaf_hex, group_bytes)
         if key is not None:
             if stat.S_ISREG(st.st_mode):
                 chunks.append((key, st.st_size, st.st_mtime))
             else:
                 out.unsafe.append((name, st))
-        elif TMP.fullmatch(name) and not stat.S_ISDIR(st.st_mode):
+        elif tree.CHUNK_TMP.fullmatch(name) and not stat.S_ISDIR(st.st_mode):
             out.tmp.append((name, st))
         else:
             out.stray.append((name, st))
@@ -258,9 +218,9 @@ def list_root(dir_fd: int, tmp_grace_s: float | None) -> RootListing:
     try:
         now = time.time()
         for name in os.listdir(own):
-            if DIR1.fullmatch(name):
+            if tree.TOP_DIR.fullmatch(name):
                 out.tops.append(int(name, 16))
-            elif PROBE_NAME.fullmatch(name):
+            elif tree.PROBE_NAME.fullmatch(name):
                 try:
                     st = os.stat(name, dir_fd=own, follow_symlinks=False)
                 except FileNotFoundError:
@@ -293,7 +253,7 @@ def walk_tops(dir_fd: int, request: WalkRequest, *, clock: Callable[[], float] =
     for group, blob in request.leaf_mtimes.items():
         arr = recorded[group] = array("q")
         arr.frombytes(blob)
-        if len(arr) != _LEAVES_PER_TOP * len(request.tops):
+        if len(arr) != LEAVES_PER_TOP * len(request.tops):
             raise ValueError(f"leaf_mtimes[{group}] holds {len(arr)} mtimes for {len(request.tops)} top directories")
     walker = _TopWalker(dir_fd, recorded, racy_ns, now, request.tmp_grace_s, request.report)
     out, handled, cpu = ScanBatch(request.id), 0, clock()
@@ -301,7 +261,7 @@ def walk_tops(dir_fd: int, request: WalkRequest, *, clock: Callable[[], float] =
     for i, (top, top_mtime) in enumerate(request.tops):
         if stop is not None and stop.is_set():
             raise ScanStopped("scan stopped")
-        handled += walker.walk(top, top_mtime, i * _LEAVES_PER_TOP, out)
+        handled += walker.walk(top, top_mtime, i * LEAVES_PER_TOP, out)
         if handled >= request.budget and i < last:
             out.cpu_s, cpu = clock() - cpu, clock()
             yield out
@@ -366,7 +326,7 @@ class _TopWalker:
             recorded = self._recorded
             names = os.listdir(top_fd)
             for name in names:
-                parsed = _LEAF_NAMES.get(name) or _parse_leaf_name(name)
+                parsed = tree.parse_leaf_name(name)
                 if parsed is None:
                     if self._report:
                         self._stray(top_fd, name, f"{top_name}/{name}", out)
@@ -494,7 +454,7 @@ class LeafMtimes:
         """The leaf mtimes of one group (allocated on first use: 8 MiB)."""
         arr = self._leaves.get(group)
         if arr is None:
-            arr = self._leaves[group] = array("q", bytes(8 << 20))
+            arr = self._leaves[group] = array("q", bytes(8 * TOPS * LEAVES_PER_TOP))
         return arr
 
     def invalidate(self, group: int, leaf: int) -> None:
@@ -527,7 +487,7 @@ class LeafMtimes:
         out = {}
         for group, arr in self._leaves.items():
             view = memoryview(arr)
-            out[group] = b"".join(view[t * _LEAVES_PER_TOP:(t + 1) * _LEAVES_PER_TOP] for t in tops)
+            out[group] = b"".join(view[t * LEAVES_PER_TOP:(t + 1) * LEAVES_PER_TOP] for t in tops)
         return out
 
     def nbytes(self) -> int:
@@ -622,5 +582,5 @@ def _lowest_priority() -> None:
         os.nice(19)
 
 
-if __name__ == "__main__":  # pragma: no cover - the worker's entry point (see fs_scan_workers)
+if __name__ == "__main__":  # pragma: no cover - the worker's entry point (see scan_workers)
     worker_main(sys.argv[1:])

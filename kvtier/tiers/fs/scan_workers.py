@@ -15,8 +15,7 @@ cut short (cancelled, failed) is killed, and one that dies is replaced at the ne
 with the engine (``PR_SET_PDEATHSIG`` on Linux; on other systems at their next write). Two
 workers walk in parallel where two cores are usable, in turns with the loop: they walk while it
 waits, and wait while it applies what they found (a busy loop on the workers' cores would lose
-them for whole scheduler ticks, see :class:`_Turns`). A start-up scan of 10^6 chunk files
-then took 1.35-1.45 times one thread's bare ``os.scandir`` + ``stat`` walk of the tree (2 cores).
+them for whole scheduler ticks, see :class:`_Turns`).
 """
 
 from __future__ import annotations
@@ -35,10 +34,8 @@ import anyio.abc
 import anyio.lowlevel
 import msgspec
 
-import kvtier
-from kvtier.tiers.fs import scan as fs_scan
-from kvtier.tiers.fs.scan import BATCH_HEADER, FRAME_HEADER, PassPlan, ScanBatch, WalkRequest
-from kvtier.worker_io import import_paths
+from kvtier.tiers.fs.scan import BATCH_HEADER, PassPlan, ScanBatch, ScanStopped, WalkRequest
+from kvtier.worker_io import FRAME_HEADER, import_paths
 
 __all__ = ["ScanWorker", "ScanWorkers", "ScanWorkerStartError"]
 
@@ -66,7 +63,7 @@ class ScanWorker:
     async def start(cls, dir_fd: int) -> ScanWorker:
         if not sys.executable:
             raise ScanWorkerStartError(errno.ENOENT, "no Python executable (sys.executable is empty)")
-        command = [sys.executable, "-I", "-c", _BOOT, str(dir_fd), str(os.getpid()), *import_paths(kvtier, msgspec)]
+        command = [sys.executable, "-I", "-c", _BOOT, str(dir_fd), str(os.getpid()), *import_paths(msgspec)]
         try:
             process = await anyio.open_process(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                                stderr=subprocess.PIPE, pass_fds=(dir_fd,), start_new_session=True)
@@ -154,10 +151,9 @@ class _Turns:
 
     Even at ``SCHED_IDLE``, a worker on the loop's core takes that core for whole scheduler ticks
     (4 ms at 250 Hz) once the loop has run more than its fair share, which a loop applying batches
-    back to back soon has (Linux's EEVDF picks the eligible task; traced with ``sched_switch``).
-    With two workers walking while the loop applied, the loop lost its core ~27 times a second
-    during a start-up scan of 10^6 files. A loop that only wakes up (timers, transfers) preempts a
-    worker at once. Without ``strict`` (a caller with no loop to keep responsive) nobody waits."""
+    back to back soon has (Linux's EEVDF scheduler picks the eligible task). A loop that only
+    wakes up (timers, transfers) preempts a worker at once. Without ``strict`` (a caller with no
+    loop to keep responsive) nobody waits."""
 
     def __init__(self, strict: bool) -> None:
         self._strict = strict
@@ -292,7 +288,7 @@ class ScanWorkers:
 
     async def _take(self, dir_fd: int) -> ScanWorker:
         if self._closed:
-            raise fs_scan.ScanStopped("scan workers closed")
+            raise ScanStopped("scan workers closed")
         while self._idle:
             worker = self._idle.pop()
             if worker.alive:

@@ -1,8 +1,9 @@
 """The filesystem tier (``type: "fs"``): chunks as files under a shared ``root_dir``.
 
-Layout (vLLM 0.33, reference §3.2, built by :func:`kvtier.layout.namespace`)::
+The tree (vLLM's layout, so that both read each other's chunks; every name in
+:mod:`kvtier.tiers.fs.tree`)::
 
-    <root_dir>/<model>_<digest>/config.json                          run fields, verified at start-up
+    <root_dir>/<model>_<digest>/config.json                             run fields, verified at start-up
     <root_dir>/<model>_<digest>_r<rank>/<hhh>/<hh>_g<group>/<hash>.bin  one file per chunk
 
 Every process and rank using the same ``root_dir`` and run configuration shares the files.
@@ -37,20 +38,18 @@ Semantics callers rely on:
   Chunks being read or written are never evicted. Usage is rebuilt from disk by a start-up scan
   that runs in the background (recency seeded from mtimes; until it is over the unscanned rest
   counts as full, so a store evicts as much as it adds), then re-synchronised every
-  ``rescan_interval_s`` with what other processes added or deleted — listing only the shard
-  directories whose mtime moved (:mod:`kvtier.tiers.fs.scan`); a rescan never drops a chunk this
-  process confirmed after it started listing. Trees of more than a few hundred top directories
-  are walked by up to two worker processes at the lowest CPU priority
-  (:mod:`kvtier.tiers.fs.scan_workers`): the event loop only applies what they found. The index
-  (:mod:`kvtier.tiers.fs.index`) holds no Python object per chunk. Several engines (or processes) sharing a tree each hold the cap for
-  what they know of; together they converge at their rescans.
+  ``rescan_interval_s`` with what other processes added or deleted (:mod:`kvtier.tiers.fs.sync`:
+  only the shard directories whose mtime moved are listed, big trees by worker processes); a
+  rescan never drops a chunk this process confirmed after it started listing. The index
+  (:mod:`kvtier.tiers.fs.index`) holds no Python object per chunk. Several engines (or processes)
+  sharing a tree each hold the cap for what they know of; together they converge at their rescans.
 * **Whole jobs per hand-off**: the tier implements the base's batch hooks
   (:meth:`FileSystemTier.write_many` / :meth:`FileSystemTier.read_many`): a job's chunks are
   queued on the dual-queue pool together — cut into one slice per CPU core for page-cache
   (buffered) I/O, which is CPU work, and one per worker for ``O_DIRECT``, which waits on the
   device — run in parallel on its workers (paths and checksums included, off the event loop),
-  and wake the loop once per job — not once per chunk, which cost more CPU than the I/O itself
-  at page-cache speeds. Reads open files ``O_NOATIME`` where the process owns them.
+  and wake the loop once per job — not once per chunk, which at page-cache speeds costs more CPU
+  than the I/O itself (:mod:`kvtier.tiers.fs.pool`). Reads open files ``O_NOATIME`` where the process owns them.
 * **Faults** (ENOSPC — short writes included —, EIO, EACCES, missing directories or files) fail
   only the chunk concerned (the base class counts them by reason); a failed store leaves no file
   behind. Start-up reads an existing ``config.json`` before writing anything, so a restart on a
@@ -59,11 +58,8 @@ Semantics callers rely on:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
-import secrets
 import stat
 import threading
 import time
@@ -74,25 +70,16 @@ from typing import Any, ClassVar
 import anyio
 from anyio.abc import TaskStatus
 
+from kvtier.config.tiers import tier_option
 from kvtier.errors import ConfigError
 from kvtier.layout import Namespace, namespace
-from kvtier.tiers.fs import beneath as fs_beneath
-from kvtier.tiers.fs import chunks as fs_io
-from kvtier.tiers.base import ChunkCorrupt, ChunkNotFound, SecondaryTier, TierContext, TierIOError
-from kvtier.tiers.fs.index import ChunkIndex, leaf_of
-from kvtier.tiers.fs.chunks import DualQueuePool, IOQueue, usable_cpus
-from kvtier.tiers.fs.scan import (
-    LeafListing,
-    LeafMtimes,
-    PassPlan,
-    ScanBatch,
-    ScanStopped,
-    TopListing,
-    WalkRequest,
-    list_root,
-    walk_tops,
-)
-from kvtier.tiers.fs.scan_workers import ScanWorkers, ScanWorkerStartError
+from kvtier.tiers.base import SecondaryTier, TierContext
+from kvtier.tiers.errors import ChunkCorrupt, ChunkNotFound, TierIOError
+from kvtier.tiers.fs import beneath, chunks
+from kvtier.tiers.fs.index import ChunkIndex
+from kvtier.tiers.fs.pool import DualQueuePool, IOQueue
+from kvtier.tiers.fs.sync import SyncMetrics, TreeSync
+from kvtier.tiers.fs.tree import ensure_config_json
 from kvtier.tiers.integrity import (
     ACCEPTED_VERIFIED,
     REJECT_REASONS,
@@ -103,140 +90,18 @@ from kvtier.tiers.integrity import (
 )
 from kvtier.types import Medium
 
-__all__ = ["FileSystemTier", "ensure_config_json", "EVICTION_POLICIES"]
+__all__ = ["FileSystemTier", "EVICTION_POLICIES"]
 
 logger = logging.getLogger(__name__)
 
 #: Allowed values of the fs ``eviction_policy`` option.
 EVICTION_POLICIES: tuple[str, ...] = ("lru",)
-_MAX_CONFIG_JSON_BYTES = 1 << 20
-#: Entries a scan batch holds (whole top directories: ~0.3 ms to decode, ~1 ms to apply).
-_SCAN_STEP_ENTRIES = 1024
-#: Top directories per walk request (~240 entries each on a tree of 10^6 chunk files): workers walk
-#: while the loop waits, the loop applies while they wait (see fs_scan_workers._Turns).
-_TOPS_PER_REQUEST = 1
-#: ... and per request of a paced re-sync, which applies little: each request wakes a worker and
-#: the loop, ~0.9 ms of CPU per request at one top each (a pass of 4096 requests cost twice an
-#: unpaced one).
-_TOPS_PER_PACED_REQUEST = 8
-#: Trees with more top directories than this are walked by worker processes
-#: (:mod:`kvtier.tiers.fs.scan_workers`), smaller ones on a pool thread (a few ms).
-_IN_THREAD_TOPS = 512
-#: Worker processes a walk uses at most.
-_SCAN_WORKERS = 2
-#: Default seconds between re-syncs; stretched on trees where a re-sync costs more than
-#: ``_RESCAN_CPU_SHARE`` of a core at that pace (an explicit ``rescan_interval_s`` is kept).
-_DEFAULT_RESCAN_S = 30.0
-_RESCAN_CPU_SHARE = 0.035  # of what a pass measures itself; hand-offs and wake-ups bring it to ~5%
 #: ``open`` waits this long for the start-up scan (a small tree is then known before serving).
 _SCAN_BEFORE_SERVING_S = 0.5
-#: The loop applies scan results (and evicts) in slices of at most this long, then lets others run.
-#: A task's wake-up waits for about two turns of the loop, so a turn must stay well under 2.5 ms.
-_SLICE_S = 0.001
 #: Evictions picked per slice when a scan finds the tree over max_bytes.
 _EVICT_BATCH = 256
 #: A bounded tier sizes its lookup table for max_bytes worth of chunks, up to this many.
 _MAX_EXPECTED_ENTRIES = 1 << 22
-
-
-# ------------------------------------------------------------------------------------------------
-# config.json
-# ------------------------------------------------------------------------------------------------
-
-
-def ensure_config_json(root_fd: int, ns: Namespace, *, tmp_grace_s: float | None = None) -> tuple[bool, int]:
-    """Create ``config.json`` in ``ns``'s config directory beneath ``root_fd`` if absent
-    (atomically), else verify that it describes this run. Returns ``(created, stale_removed)``.
-
-    An existing file is read first, so a restart on a full disk succeeds when the file matches.
-    Creation writes a unique temporary file and hard-links it to the final name, so concurrent
-    first starts never see a partial file and never overwrite each other; the temporary file is
-    removed whatever happens, and ones left by crashed starts (``config.json_<n>.tmp``) older
-    than ``tmp_grace_s`` are swept (``None`` keeps them). An existing file whose fields differ
-    from ``ns.fields`` (or that is not valid JSON, is too large, or is a link or special file)
-    raises :class:`ConfigError`: its chunks were written by a different geometry and must not be
-    read as this run's. The config directory is reached without following links.
-    """
-    cfg_fd = fs_beneath.open_dir(root_fd, ns.leaf, create=True)
-    try:
-        stale = _sweep_config_tmp(cfg_fd, tmp_grace_s)
-        existing = _read_config_json(cfg_fd, ns)
-        if existing is None:
-            tmp = f"{_CONFIG_JSON}_{secrets.randbits(63)}.tmp"
-            try:
-                fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
-                             dir_fd=cfg_fd)
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    f.write(ns.config_json())
-                try:
-                    os.link(tmp, _CONFIG_JSON, src_dir_fd=cfg_fd, dst_dir_fd=cfg_fd)
-                    return True, stale
-                except FileExistsError:
-                    pass
-            finally:
-                try:
-                    os.unlink(tmp, dir_fd=cfg_fd)
-                except FileNotFoundError:
-                    pass
-            existing = _read_config_json(cfg_fd, ns)
-    finally:
-        os.close(cfg_fd)
-    path = ns.config_path
-    if existing != ns.fields:
-        existing = existing or {}  # None: deleted by someone else between our link and our read
-        differing = sorted(k for k in set(existing) | set(ns.fields) if existing.get(k) != ns.fields.get(k))
-        raise ConfigError(
-            f"{path} describes a different run than this engine (fields differ: {', '.join(differing)}); "
-            "refusing to share its chunks"
-        )
-    return False, stale
-
-
-_CONFIG_JSON = "config.json"
-_CONFIG_TMP = re.compile(r"config\.json_[0-9]{1,20}\.tmp")
-
-
-def _read_config_json(cfg_fd: int, ns: Namespace) -> Any:
-    """The parsed ``config.json`` in ``cfg_fd``, or None when there is none."""
-    path = ns.config_path
-    try:
-        fd = fs_beneath.open_file(cfg_fd, _CONFIG_JSON, os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    except fs_beneath.UnsafeEntry:
-        raise ConfigError(f"{path} is a symbolic link or special file; kvtier never follows links below "
-                          "root_dir — remove it or use another root_dir") from None
-    with os.fdopen(fd, "rb") as f:
-        raw = f.read(_MAX_CONFIG_JSON_BYTES + 1)
-    try:
-        if len(raw) > _MAX_CONFIG_JSON_BYTES:
-            raise ValueError("file too large")
-        existing = json.loads(raw)
-        if not isinstance(existing, dict):
-            raise ValueError("not a JSON object")
-    except ValueError as exc:
-        raise ConfigError(f"{path} is not a valid kvtier/vLLM run config ({exc}); remove it or use another root_dir") from None
-    return existing
-
-
-def _sweep_config_tmp(cfg_fd: int, tmp_grace_s: float | None) -> int:
-    """Remove ``config.json_<n>.tmp`` files older than ``tmp_grace_s`` (crashed first starts)."""
-    if tmp_grace_s is None:
-        return 0
-    removed = 0
-    now = time.time()
-    with os.scandir(cfg_fd) as entries:
-        candidates = [e for e in entries if _CONFIG_TMP.fullmatch(e.name)]
-    for entry in candidates:
-        try:
-            st = entry.stat(follow_symlinks=False)
-            if stat.S_ISDIR(st.st_mode) or now - st.st_mtime <= tmp_grace_s:
-                continue
-            os.unlink(entry.name, dir_fd=cfg_fd)
-            removed += 1
-        except FileNotFoundError:
-            pass
-    return removed
 
 
 # ------------------------------------------------------------------------------------------------
@@ -252,7 +117,7 @@ def _load_verified(dir_fd: int, fingerprint: bytes, o_direct: bool, accept_unver
     ``unverified``, which is left alone (it may be another program's, such as vLLM's).
     """
     relpath = Namespace.chunk_relpath(key)
-    verdict = fs_io.load_chunk(dir_fd, relpath, dst, identity(key, fingerprint), o_direct=o_direct,
+    verdict = chunks.load_chunk(dir_fd, relpath, dst, identity(key, fingerprint), o_direct=o_direct,
                                accept_unverified=accept_unverified)
     if not verdict.ok:
         # Defence in depth: the manager frees the slot on failure, but never leave bytes that
@@ -260,7 +125,7 @@ def _load_verified(dir_fd: int, fingerprint: bytes, o_direct: bool, accept_unver
         dst[:] = bytes(len(dst))
         if verdict.reason != "unverified":
             try:
-                fs_io.remove_file(dir_fd, relpath)
+                chunks.remove_file(dir_fd, relpath)
             except OSError as exc:
                 logger.warning("could not remove rejected chunk file %s: %s", relpath, exc)
     return verdict
@@ -280,10 +145,10 @@ def _store(dir_fd: int, fingerprint: bytes, o_direct: bool, key: bytes, src: mem
     relpath = Namespace.chunk_relpath(key)
     page = make_trailer_page(src, identity(key, fingerprint))
     try:
-        return fs_io.write_chunk(dir_fd, relpath, src, page, o_direct=o_direct)
-    except fs_beneath.UnsafeEntry:
-        fs_io.remove_file(dir_fd, relpath)
-        return _Repaired(fs_io.write_chunk(dir_fd, relpath, src, page, o_direct=o_direct))
+        return chunks.write_chunk(dir_fd, relpath, src, page, o_direct=o_direct)
+    except beneath.UnsafeEntry:
+        chunks.remove_file(dir_fd, relpath)
+        return _Repaired(chunks.write_chunk(dir_fd, relpath, src, page, o_direct=o_direct))
 
 
 def _stat_sizes(dir_fd: int, keys: Sequence[bytes]) -> list[int | None]:
@@ -291,8 +156,8 @@ def _stat_sizes(dir_fd: int, keys: Sequence[bytes]) -> list[int | None]:
     sizes: list[int | None] = []
     for key in keys:
         try:
-            st = fs_beneath.lstat(dir_fd, Namespace.chunk_relpath(key))
-        except fs_beneath.UnsafeEntry:
+            st = beneath.lstat(dir_fd, Namespace.chunk_relpath(key))
+        except beneath.UnsafeEntry:
             st = None
         sizes.append(st.st_size if st is not None and stat.S_ISREG(st.st_mode) else None)
     return sizes
@@ -304,7 +169,7 @@ def _remove_all(dir_fd: int, keys: Sequence[bytes]) -> list[bytes]:
     for key in keys:
         relpath = Namespace.chunk_relpath(key)
         try:
-            fs_io.remove_file(dir_fd, relpath)
+            chunks.remove_file(dir_fd, relpath)
         except OSError as exc:
             failed.append(key)
             logger.warning("could not evict %s: %s", relpath, exc)
@@ -328,19 +193,21 @@ class FileSystemTier(SecondaryTier):
 
     tier_type: ClassVar[str] = "fs"
     medium: ClassVar[Medium | None] = Medium.STORAGE
+    supports_delete: ClassVar[bool] = True
+    supports_touch: ClassVar[bool] = True
+    batched_writes: ClassVar[bool] = True
+    batched_reads: ClassVar[bool] = True
 
     def __init__(self, config: Any, context: TierContext, **tunables: Any) -> None:
-        options = config.options
-        self.root_dir: str = options["root_dir"] if "root_dir" in options else _missing("root_dir")
-        self.n_read_threads = int(options.get("n_read_threads", 16))
-        self.n_write_threads = int(options.get("n_write_threads", 16))
-        self.max_bytes: int | None = options.get("max_bytes")
-        self.eviction_policy: str = options.get("eviction_policy", "lru")
-        self.stale_tmp_grace_s = float(options.get("stale_tmp_grace_s", 3600.0))
-        interval = options.get("rescan_interval_s")
-        self.rescan_interval_s: float | None = None if interval is None else float(interval)
-        self._auto_interval = _DEFAULT_RESCAN_S
-        self.accept_unverified_chunks = bool(options.get("accept_unverified_chunks", False))
+        self.root_dir: str = tier_option(config, "root_dir")
+        self.n_read_threads = int(tier_option(config, "n_read_threads"))
+        self.n_write_threads = int(tier_option(config, "n_write_threads"))
+        self.max_bytes: int | None = tier_option(config, "max_bytes")
+        self.eviction_policy: str = tier_option(config, "eviction_policy")
+        self.stale_tmp_grace_s = float(tier_option(config, "stale_tmp_grace_s"))
+        interval = tier_option(config, "rescan_interval_s")
+        rescan_interval_s = None if interval is None else float(interval)
+        self.accept_unverified_chunks = bool(tier_option(config, "accept_unverified_chunks"))
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ConfigError(
                 f"secondary_tiers[{context.index}].eviction_policy={self.eviction_policy!r} is not "
@@ -358,21 +225,12 @@ class FileSystemTier(SecondaryTier):
         self.namespace: Namespace = namespace(self.root_dir, context.run_fields, context.rank)
         expected = 0 if self.max_bytes is None else self.max_bytes // stored_size(context.slot_bytes)
         self.index = ChunkIndex(self.max_bytes, expected_entries=min(expected, _MAX_EXPECTED_ENTRIES))
-        self._mtimes = LeafMtimes()
-        self._workers = ScanWorkers(min(_SCAN_WORKERS, usable_cpus()))
-        self._walk_in_thread = False  # set once workers could not be started
-        self._scanned = anyio.Event()  # the start-up scan is over (or was stopped)
-        self._passes: list[float] = []  # start times of the passes under way (a rescan may meet a periodic one)
         self.o_direct = False
         self._file_bytes = stored_size(context.slot_bytes)
         self._dir_fd = -1  # the run's block tree, open from open() to close()
         self._pool = DualQueuePool(self.n_read_threads, self.n_write_threads, name=f"kvtier-fs{context.index}")
         self._deletions: list[anyio.Event] = []  # eviction deletions in flight, oldest first
         self._deleting: dict[bytes, int] = {}  # keys whose files those deletions are removing
-        self._opened = anyio.Event()  # the tree is open: the start-up scan may begin
-        self._scan_scope = anyio.CancelScope()
-        self._scan_done = anyio.Event()
-        self._stop_scans = threading.Event()  # set by close: a long scan gives up
         self._rejected = self.add_metric(
             "fs_rejected_chunks", "counter",
             "Chunk files refused on load (and removed, except trailer-less ones), and links or special "
@@ -390,19 +248,28 @@ class FileSystemTier(SecondaryTier):
             "fs_stale_tmp_removed", "counter",
             "Temporary and probe files of crashed writers removed by start-up scans.",
         )
-        self._scan_passes = self.add_metric(
+        scan_passes = self.add_metric(
             "fs_scan_passes", "counter",
             "Passes over the block tree completed: the start-up scan, then one re-sync per rescan_interval_s.",
         )
-        self._interval_gauge = self.add_metric(
+        interval_gauge = self.add_metric(
             "fs_rescan_interval_seconds", "gauge",
             "Seconds between re-syncs with the disk: rescan_interval_s, or by default 30 s stretched so "
             "that a re-sync takes at most 5% of a core.",
         )
-        self._scan_listed = self.add_metric(
+        scan_listed = self.add_metric(
             "fs_scan_dirs_listed", "counter",
             "Shard directories listed by scans (a re-sync lists only those whose mtime changed).",
         )
+        #: The start-up scan and the re-syncs (:class:`~kvtier.tiers.fs.sync.TreeSync`).
+        self.sync = TreeSync(
+            index=self.index, pool=self._pool, deleting=self._deleting, label=self.label,
+            blocks_dir=self.namespace.blocks_dir, stale_tmp_grace_s=self.stale_tmp_grace_s,
+            rescan_interval_s=rescan_interval_s,
+            metrics=SyncMetrics(rejected=self._rejected, stale_tmp=self._stale_tmp, passes=scan_passes,
+                                interval=interval_gauge, dirs_listed=scan_listed),
+            removed=lambda keys: self.emit_removed(keys, "deleted"), publish_usage=self._publish_usage,
+            evict_over_capacity=self._evict_over_capacity)
 
     # --- lifecycle ----------------------------------------------------------------------------
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -414,13 +281,13 @@ class FileSystemTier(SecondaryTier):
         """
         error: Exception | None = None
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._scan_loop)
+            tg.start_soon(self.sync.run)
             try:
                 await super().run(task_status=task_status)
             except Exception as exc:  # re-raised below, outside the group, so it is not wrapped
                 error = exc
             finally:
-                self._scan_scope.cancel()
+                self.sync.cancel()
         if error is not None:
             raise error
 
@@ -430,7 +297,7 @@ class FileSystemTier(SecondaryTier):
             stale = await self._pool.run(IOQueue.WRITE, self._open_tree)
             if stale:
                 self._stale_tmp.inc(stale)
-            self.o_direct = await self._pool.run(IOQueue.WRITE, fs_io.probe_o_direct, self._dir_fd)
+            self.o_direct = await self._pool.run(IOQueue.WRITE, chunks.probe_o_direct, self._dir_fd)
             if self.o_direct:
                 # O_DIRECT transfers wait on the device, not on a CPU: give a job to every worker
                 # (the pool's default, one slice per core, suits page-cache copies).
@@ -441,10 +308,9 @@ class FileSystemTier(SecondaryTier):
             # What is on disk is learnt by the scan task: until it is done, unknown keys are
             # probed and reservations assume the unscanned rest fills max_bytes. A small tree is
             # scanned before serving starts; a big one goes on in the background.
-            self.index.complete = False
-            self._opened.set()
+            self.sync.start(self._dir_fd)
             with anyio.move_on_after(_SCAN_BEFORE_SERVING_S):
-                await self._scanned.wait()
+                await self.sync.wait_scanned()
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await self._pool.aclose()
@@ -462,16 +328,15 @@ class FileSystemTier(SecondaryTier):
                            self.label, self.namespace.blocks_dir)
 
     async def close(self) -> None:
-        self._stop_scans.set()  # a scan under way stops at its next directory
-        self._scan_scope.cancel()
+        self.sync.stop()  # a scan under way stops at its next directory
         try:
-            await self._scan_done.wait()  # never close the pool under a running scan
+            await self.sync.wait_stopped()  # never close the pool under a running scan
         finally:
             # Even when close itself is cut short (close_timeout_s): the workers are killed, the
             # threads joined and the tree's descriptor closed — a scan in progress ends within
             # one directory.
             with anyio.CancelScope(shield=True):
-                await self._workers.aclose()
+                await self.sync.aclose()
                 await self._pool.aclose()
             self._close_tree()
 
@@ -498,7 +363,7 @@ class FileSystemTier(SecondaryTier):
         root_fd = os.open(self.root_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
         try:
             _, stale = ensure_config_json(root_fd, self.namespace, tmp_grace_s=self.stale_tmp_grace_s)
-            self._dir_fd = fs_beneath.open_dir(root_fd, self.namespace.blocks_leaf, create=True)
+            self._dir_fd = beneath.open_dir(root_fd, self.namespace.blocks_leaf, create=True)
             return stale
         finally:
             os.close(root_fd)
@@ -508,215 +373,34 @@ class FileSystemTier(SecondaryTier):
         if fd >= 0:
             os.close(fd)
 
-    # --- scanning -----------------------------------------------------------------------------
+    # --- scanning (see :class:`~kvtier.tiers.fs.sync.TreeSync`) ----------------------------
     async def wait_scanned(self) -> None:
         """Return once the start-up scan is over: usage and recency then cover the whole tree."""
-        await self._scanned.wait()
+        await self.sync.wait_scanned()
 
     @property
     def scanned(self) -> bool:
         """Whether the start-up scan is over."""
-        return self._scanned.is_set()
+        return self.sync.scanned
 
     def index_bytes(self) -> int:
         """Memory the chunk index and the rescans' directory records take."""
-        return self.index.nbytes() + self._mtimes.nbytes()
+        return self.index.nbytes() + self.sync.mtimes.nbytes()
 
-    async def _scan_loop(self) -> None:
-        """The start-up scan (as fast as the pool allows), then a re-sync every
-        ``rescan_interval_s``, each spread over the interval. I/O failures are logged."""
-        try:
-            with self._scan_scope:
-                await self._opened.wait()
-                started = time.monotonic()
-                try:
-                    await self._pass(self.stale_tmp_grace_s, initial=True)
-                except (ScanStopped, anyio.ClosedResourceError):  # closing (or open failed)
-                    return
-                except OSError as exc:
-                    logger.warning("tier %s: start-up scan failed, usage is what was found so far: %s",
-                                   self.label, exc)
-                finally:
-                    self._scanned.set()
-                logger.info("tier %s: %d chunk files (%.1f GiB) under %s, scanned in %.1f s", self.label,
-                            len(self.index), self.index.used / 2**30, self.namespace.blocks_dir,
-                            time.monotonic() - started)
-                while True:
-                    began, interval = time.monotonic(), self.rescan_interval
-                    self._interval_gauge.set(interval)
-                    try:
-                        cpu = await self._pass(None, spread_over=interval)
-                    except ScanStopped:
-                        return
-                    except OSError as exc:
-                        logger.warning("tier %s: rescan failed: %s", self.label, exc)
-                    else:
-                        self._pace(cpu)
-                    await anyio.sleep(max(0.0, began + interval - time.monotonic()))
-        finally:
-            self._scanned.set()
-            self._scan_done.set()
+    @property
+    def rescan_interval_s(self) -> float | None:
+        """The ``rescan_interval_s`` option (None: the default, paced by cost)."""
+        return self.sync.rescan_interval_s
 
     @property
     def rescan_interval(self) -> float:
         """Seconds between re-syncs: ``rescan_interval_s``, or by default 30 s stretched so that a
         re-sync takes at most 5% of a core (its cost grows with the shard directories to stat)."""
-        return self.rescan_interval_s if self.rescan_interval_s is not None else self._auto_interval
-
-    def _pace(self, pass_cpu_s: float) -> None:
-        """After a re-sync that took ``pass_cpu_s`` of CPU: the default interval follows its cost."""
-        if self.rescan_interval_s is not None:
-            return
-        interval = max(_DEFAULT_RESCAN_S, pass_cpu_s / _RESCAN_CPU_SHARE)
-        if interval > _DEFAULT_RESCAN_S and abs(interval - self._auto_interval) > 0.2 * self._auto_interval:
-            logger.info("tier %s: a re-sync of %s takes %.1f s of CPU; re-syncing every %.0f s (~5%% of a core)",
-                        self.label, self.namespace.blocks_dir, pass_cpu_s, interval)
-        self._auto_interval = interval
+        return self.sync.rescan_interval
 
     async def rescan(self) -> None:
         """Re-sync with the disk now, at full speed (what the periodic task does over an interval)."""
-        await self._pass(None)
-
-    async def _pass(self, tmp_grace_s: float | None, *, initial: bool = False, spread_over: float = 0.0) -> float:
-        """One walk over the tree: list what changed, make the index agree, evict if over the cap.
-        Returns the CPU seconds it took (the walkers' and the loop's share).
-
-        With ``spread_over`` the walk is paced to take that many seconds (a periodic re-sync:
-        every directory is visited once per interval, at a steady rate)."""
-        cpu = 0.0
-        unreadable = 0
-        started = time.monotonic()
-        # Removal records older than every pass under way can mislead no listing to come.
-        self._passes.append(started)
-        self.index.forget_removals_before(self._passes[0])
-
-        async def apply(batch: ScanBatch) -> None:
-            nonlocal cpu, unreadable
-            if self._stop_scans.is_set():
-                raise ScanStopped("scan stopped")
-            unreadable += batch.unreadable
-            cpu += batch.cpu_s + await self._apply_batch(batch, initial=initial)
-            self._mtimes.commit(batch)  # only now may later passes skip what it listed
-
-        try:
-            root = await self._pool.run(IOQueue.READ, list_root, self._dir_fd, tmp_grace_s)
-            plan = PassPlan(root, self._mtimes, tmp_grace_s=tmp_grace_s, budget=_SCAN_STEP_ENTRIES,
-                            tops_per_request=_TOPS_PER_PACED_REQUEST if spread_over > 0 else _TOPS_PER_REQUEST)
-            await apply(plan.first_batch())
-            count = len(plan)
-
-            def due(i: int) -> float:  # request i goes at the end of its share of the interval (not at
-                return started + spread_over * (i + 1) / count  # once: the tree was just walked)
-
-            paced = due if spread_over > 0 else None
-            in_thread = len(root.tops) <= _IN_THREAD_TOPS or self._walk_in_thread
-            if not in_thread:
-                try:
-                    await self._workers.walk(self._dir_fd, plan, due=paced, apply=apply)
-                except ScanWorkerStartError as exc:
-                    logger.warning("tier %s: cannot start scan worker processes (%s); walking %s on a thread "
-                                   "(the event loop shares the interpreter with it)", self.label, exc,
-                                   self.namespace.blocks_dir)
-                    self._walk_in_thread = in_thread = True  # from the start: a tree walked twice is still right
-            if in_thread:
-                for i in range(count):
-                    if paced is not None:
-                        await anyio.sleep(max(0.0, paced(i) - time.monotonic()))
-                    for batch in await self._pool.run(IOQueue.READ, _walk, self._dir_fd, plan.request(i),
-                                                      self._stop_scans):
-                        await apply(batch)
-        finally:
-            self._passes.remove(started)
-        if unreadable:
-            logger.warning("tier %s: %d directories under %s could not be read (permission denied); their "
-                           "chunks are kept as last seen, and the next re-sync tries them again", self.label,
-                           unreadable, self.namespace.blocks_dir)
-        self._scan_passes.inc()
-        self.index.complete = True  # the whole tree was seen once: usage is known
-        await self._evict_over_capacity()
-        self._publish_usage()
-        return cpu
-
-    async def _apply_batch(self, batch: ScanBatch, *, initial: bool) -> float:
-        """Make the index agree with one scan step, in slices of at most ``_SLICE_S`` seconds;
-        the seconds the loop spent on it."""
-        if batch.leaves_listed:
-            self._scan_listed.inc(batch.leaves_listed)
-        if batch.removed_tmp:
-            self._stale_tmp.inc(batch.removed_tmp)
-        if batch.removed_unsafe:
-            self._rejected.inc(batch.removed_unsafe, "not_regular")
-            logger.warning("tier %s: removed %d links or special files from %s", self.label,
-                           batch.removed_unsafe, self.namespace.blocks_dir)
-        dropped: list[bytes] = []
-        spent = 0.0
-        slice_start = time.perf_counter()
-        for leaf in batch.leaves:
-            self._apply_leaf(leaf, initial, dropped)
-            if time.perf_counter() - slice_start > _SLICE_S:
-                spent += time.perf_counter() - slice_start
-                await self._yield_slice(dropped)
-                slice_start = time.perf_counter()
-        for top in batch.tops:
-            self._apply_top(top, dropped)
-            if time.perf_counter() - slice_start > _SLICE_S:
-                spent += time.perf_counter() - slice_start
-                await self._yield_slice(dropped)
-                slice_start = time.perf_counter()
-        spent += time.perf_counter() - slice_start
-        await self._yield_slice(dropped)
-        await self._evict_over_capacity()
-        return spent
-
-    async def _yield_slice(self, dropped: list[bytes]) -> None:
-        if dropped:
-            self.emit_removed(list(dropped), "deleted")
-            dropped.clear()
-        self._publish_usage()
-        await anyio.lowlevel.checkpoint()
-
-    def _apply_leaf(self, listing: LeafListing, initial: bool, dropped: list[bytes]) -> None:
-        """One leaf directory as listed: keys it lacks are dropped (another process deleted them)
-        unless in use or confirmed after the listing started; keys only it has are added (cold on
-        a start-up scan, most recent otherwise) unless this process dropped them after the listing
-        started (it predates their deletion)."""
-        index, listed_at = self.index, listing.listed_at
-        known = index.leaf_keys(listing.group, listing.leaf)
-        if initial and not known and not self._deleting and not index.removed_any_since(listed_at):
-            index.add_cold(listing.chunks)  # the start-up scan's common case, in one call
-            return
-        deleting = self._deleting
-        on_disk = {chunk[0]: (chunk[1], chunk[2]) for chunk in listing.chunks
-                   if chunk[0] not in deleting and not index.removed_since(chunk[0], listed_at)}
-        for key in known:
-            found = on_disk.pop(key, None)
-            if found is None:
-                if not index.is_busy(key) and not index.confirmed_since(key, listed_at):
-                    index.remove(key)
-                    dropped.append(key)
-            elif (found[0] != index.size_of(key) and not index.is_busy(key)
-                  and not index.confirmed_since(key, listed_at)):
-                index.add(key, found[0], found[1])
-        if not on_disk:
-            return
-        if initial:
-            index.add_cold((key, size, mtime) for key, (size, mtime) in on_disk.items())
-        else:
-            for key, (size, mtime) in sorted(on_disk.items(), key=lambda item: item[1][1]):
-                index.add(key, size, mtime)
-
-    def _apply_top(self, listing: TopListing, dropped: list[bytes]) -> None:
-        """Leaf directories the index knows that a top directory no longer holds: their chunks
-        are gone (same rules as :meth:`_apply_leaf`)."""
-        index, present = self.index, listing.present
-        for group in index.groups:
-            for leaf in index.leaves_in_top(group, listing.top):
-                if present is not None and (group << 20 | leaf) in present:
-                    continue
-                for key in index.leaf_keys(group, leaf):
-                    if not index.is_busy(key) and not index.confirmed_since(key, listing.listed_at):
-                        index.remove(key)
-                        dropped.append(key)
+        await self.sync.run_pass(None)
 
     async def _evict_over_capacity(self) -> None:
         """Evict least recent idle chunks while the index is over ``max_bytes`` (a smaller cap
@@ -751,7 +435,7 @@ class FileSystemTier(SecondaryTier):
             # Files that may have survived: passes list their directories again, and a listing
             # that starts after this point (after the records above) re-adds what is there.
             for key in failed:
-                self._mtimes.invalidate(*leaf_of(key))
+                self.sync.invalidate(key)
             self._deletions.remove(done)
             done.set()
 
@@ -864,7 +548,7 @@ class FileSystemTier(SecondaryTier):
                 if reserved and (results is None or outcomes[i] is not None):
                     self.index.remove(key)  # not on disk after all (or unknown, if cancelled)
                     if results is None:  # cut short: it may be; the next pass looks
-                        self._mtimes.invalidate(*leaf_of(key))
+                        self.sync.invalidate(key)
                 self.index.unpin(key)
             self._publish_usage()
         return outcomes
@@ -916,14 +600,14 @@ class FileSystemTier(SecondaryTier):
                 return TierIOError("unverified", f"chunk file {relpath} has no trailer; refused "
                                    "(accept_unverified_chunks is off)")
             self.index.remove(key)
-            self._mtimes.invalidate(*leaf_of(key))  # if its removal failed, the next pass re-adds it
+            self.sync.invalidate(key)  # if its removal failed, the next pass re-adds it
             return ChunkCorrupt(f"chunk file {relpath} rejected: {result.reason}")
         self._unverified.inc()  # a trailer-less file of exactly one slot, accepted on request
         self.index.touch_or_add((key,), nbytes)
         return None
 
     async def delete(self, key: bytes) -> None:
-        await self._pool.run(IOQueue.WRITE, fs_io.remove_file, self._dir_fd, self.namespace.chunk_relpath(key))
+        await self._pool.run(IOQueue.WRITE, chunks.remove_file, self._dir_fd, self.namespace.chunk_relpath(key))
         if self._forget(key):
             self.emit_removed([key], "deleted")
 
@@ -943,11 +627,6 @@ _unbounded_dirs: set[str] = set()
 _unbounded_dirs_lock = threading.Lock()  # engines may open tiers from several threads
 
 
-def _walk(dir_fd: int, request: WalkRequest, stop: threading.Event) -> list[ScanBatch]:
-    """One walk request on a pool thread (small trees; see ``_IN_THREAD_TOPS``)."""
-    return list(walk_tops(dir_fd, request, stop=stop))
-
-
 def _first_unbounded_open(blocks_dir: str) -> bool:
     """True the first time this process opens ``blocks_dir`` without ``max_bytes``: the
     "grows without limit" warning is logged once per process and directory, not per engine."""
@@ -957,8 +636,4 @@ def _first_unbounded_open(blocks_dir: str) -> bool:
             return False
         _unbounded_dirs.add(real)
         return True
-
-
-def _missing(name: str) -> Any:
-    raise ConfigError(f"the fs tier needs {name!r}")
 

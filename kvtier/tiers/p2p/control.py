@@ -1,4 +1,4 @@
-"""The p2p tier's control plane: ZeroMQ ROUTER in, one DEALER out per peer (reference §5.3).
+"""The p2p tier's control plane: ZeroMQ ROUTER in, one DEALER out per peer.
 
 Topology: the plane binds one ROUTER on ``tcp://host:port`` (the configured host only; a wildcard
 such as ``0.0.0.0`` only if that is what is configured). For every peer it talks to it opens one

@@ -19,9 +19,9 @@ Semantics callers rely on:
   on it fails with ``DataPlaneError("closed")`` (or ``"peer_gone"``): nothing waits forever.
 * **Cancelling a pending ``send``/``recv`` closes its link.** UCX cannot withdraw one posted
   operation; only closing the endpoint cancels them. Keeping the link would let a receive that
-  the caller abandoned write into a slot the caller already gave to someone else (observed with
-  ucxx 0.52 in thread mode), or a send read a slot that was reused. Once the cancelled call has
-  returned, UCX no longer touches its view. Callers that abort a fetch therefore open a new link.
+  the caller abandoned write into a slot the caller already gave to someone else, or a send read
+  a slot that was reused. Once the cancelled call has returned, UCX no longer touches its view.
+  Callers that abort a fetch therefore open a new link.
 * **Tags.** :func:`chunk_tag` names a chunk by (request, round, index), identically in every
   process. On the wire the tag is mixed with the view's byte length, and ucxx mixes it with the
   endpoint's private tag agreed at connection time: operations on different links never match
@@ -63,24 +63,28 @@ period), joined off the loop: that is most of what :meth:`DataPlane.aclose` cost
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import hashlib
-import ipaddress
 import logging
 import os
 import secrets
-import socket
-import stat
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Final, NamedTuple
+from typing import Any, Final
 
 import anyio
 
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.throttled_log import ThrottledLog
+from kvtier.tiers.p2p.netif import (
+    Connection,
+    accepted_connections,
+    addresses_of,
+    host_addresses,
+    net_devices,
+    shut_down,
+    ucp_library,
+)
 
 __all__ = [
     "DataPlane",
@@ -91,7 +95,6 @@ __all__ = [
     "REASONS",
     "TOKEN_BYTES",
     "chunk_tag",
-    "net_devices",
     "progress_mode",
 ]
 
@@ -103,9 +106,9 @@ TOKEN_BYTES: Final = 32
 #: "thread" with Python futures: a C++ thread progresses the worker (blocking on its epoll fd when
 #: there is nothing to do) and a notifier thread completes asyncio futures, so neither an idle
 #: plane nor a receive waiting for a slow producer costs CPU. ucxx's "blocking" and "polling"
-#: modes await each request by yielding to the loop in a busy loop: a pending receive costs a
-#: whole core (measured: 2.0 s of CPU per 2 s of waiting), which a 2-core serving host cannot
-#: spare while a producer waits for its stores. See benchmarks/p2p_tier.py for the throughput.
+#: modes await each request by yielding to the loop in a busy loop: a pending receive keeps a
+#: whole core busy, which a small serving host cannot spare while a producer waits for its
+#: stores. See benchmarks/p2p_tier.py for the throughput.
 PROGRESS_MODE: Final = "thread"
 
 #: Every value ``DataPlaneError.reason`` takes.
@@ -264,228 +267,6 @@ def progress_mode() -> str:
     """The progress mode of this process's ucxx context (initialising it if needed)."""
     ucxx = _ucxx()
     return str(ucxx.core._get_ctx().progress_mode)
-
-
-# -- where the plane may be reached -----------------------------------------------------------------
-
-
-class _Ifaddrs(ctypes.Structure):
-    pass
-
-
-_Ifaddrs._fields_ = [  # struct ifaddrs (getifaddrs(3)); only the fields read here matter
-    ("ifa_next", ctypes.POINTER(_Ifaddrs)), ("ifa_name", ctypes.c_char_p), ("ifa_flags", ctypes.c_uint),
-    ("ifa_addr", ctypes.c_void_p), ("ifa_netmask", ctypes.c_void_p), ("ifa_ifu", ctypes.c_void_p),
-    ("ifa_data", ctypes.c_void_p),
-]
-
-
-def _sockaddr(pointer: int) -> tuple[str, int] | None:
-    """``(address, port)`` of a ``struct sockaddr`` in memory (IPv4 or IPv6); None otherwise."""
-    family = ctypes.c_ushort.from_address(pointer).value
-    if family == socket.AF_INET:
-        raw = ctypes.string_at(pointer, 8)
-        return _canonical(socket.inet_ntop(socket.AF_INET, raw[4:8])), int.from_bytes(raw[2:4], "big")
-    if family == socket.AF_INET6:
-        raw = ctypes.string_at(pointer, 24)
-        return _canonical(socket.inet_ntop(socket.AF_INET6, raw[8:24])), int.from_bytes(raw[2:4], "big")
-    return None
-
-
-def _canonical(address: str) -> str:
-    """One spelling per address: IPv4-mapped IPv6 addresses as IPv4, IPv6 compressed."""
-    ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return str(ip)
-
-
-def _interface_addresses() -> list[tuple[str, str]]:
-    """``(interface, address)`` for every IPv4/IPv6 address of this host (getifaddrs)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    head = ctypes.POINTER(_Ifaddrs)()
-    if libc.getifaddrs(ctypes.byref(head)) != 0:
-        raise OSError(ctypes.get_errno(), "getifaddrs failed")
-    found: list[tuple[str, str]] = []
-    try:
-        node = head
-        while node:
-            entry = node.contents
-            if entry.ifa_addr:
-                address = _sockaddr(entry.ifa_addr)
-                if address is not None and entry.ifa_name:
-                    found.append((entry.ifa_name.decode(errors="replace"), address[0]))
-            node = entry.ifa_next
-    finally:
-        libc.freeifaddrs(head)
-    return found
-
-
-def host_addresses(host: str) -> frozenset[str]:
-    """The addresses ``host`` (a name or a literal, IPv6 bracketed or not) stands for.
-
-    Empty for a wildcard (``0.0.0.0``, ``::``, ``*``): every address. Raises :class:`ConfigError`
-    when the name does not resolve.
-    """
-    name = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    if name in ("*", ""):
-        return frozenset()
-    try:
-        infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
-    except socket.gaierror as exc:
-        raise ConfigError(f"p2p host {host[:64]!r} does not resolve: {exc.strerror}") from None
-    addresses = frozenset(_canonical(str(info[4][0])) for info in infos)
-    if any(ipaddress.ip_address(a).is_unspecified for a in addresses):
-        return frozenset()
-    return addresses
-
-
-def net_devices(host: str) -> str | None:
-    """The ``UCX_NET_DEVICES`` value that confines UCX to ``host``'s interfaces (and their RDMA
-    ports, :func:`_rdma_ports`).
-
-    None for a wildcard host (every device). Raises :class:`ConfigError` when no interface of
-    this machine holds any of ``host``'s addresses (the control plane could not bind it either).
-    """
-    addresses = host_addresses(host)
-    if not addresses:
-        return None
-    names = sorted({name for name, address in _interface_addresses() if address in addresses})
-    if not names:
-        raise ConfigError(f"p2p host {host[:64]!r} ({', '.join(sorted(addresses))}) is not an "
-                          "address of any network interface of this machine")
-    return ",".join(names + _rdma_ports(names))
-
-
-def _rdma_ports(interfaces: list[str], sysfs: str = "/sys/class") -> list[str]:
-    """UCX's names (``mlx5_0:1``) of the RDMA ports behind ``interfaces``: every port of each HCA
-    that shares an interface's PCI device (RoCE, or IPoIB's ``ib0``), so confining UCX to the
-    host's interfaces keeps their RDMA transports. None where the machine has no such device."""
-    ports: list[str] = []
-    for interface in interfaces:
-        hcas = os.path.join(sysfs, "net", interface, "device", "infiniband")
-        try:
-            names = sorted(os.listdir(hcas))
-        except OSError:
-            continue  # not an RDMA-capable device (loopback, a plain NIC, a virtual interface)
-        for hca in names:
-            try:
-                numbers = sorted(os.listdir(os.path.join(sysfs, "infiniband", hca, "ports")), key=int)
-            except (OSError, ValueError):
-                continue
-            ports += [f"{hca}:{number}" for number in numbers if f"{hca}:{number}" not in ports]
-    return ports
-
-
-def _ucp_library() -> Any:
-    """libucp as loaded by ucxx (never a second copy), with ``ucp_ep_query`` typed; None if absent."""
-    try:
-        lib = ctypes.CDLL("libucp.so.0", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-    except OSError:
-        return None
-    lib.ucp_ep_query.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    lib.ucp_ep_query.restype = ctypes.c_int
-    return lib
-
-
-_UCP_EP_ATTR_FIELD_LOCAL_SOCKADDR: Final = 1 << 1
-_UCP_EP_ATTR_FIELD_REMOTE_SOCKADDR: Final = 1 << 2
-# ucp_ep_attr_t (ucp.h, UCX >= 1.13): uint64 field_mask, char name[32], struct sockaddr_storage
-# local_sockaddr, then remote_sockaddr; a generous buffer covers the fields after it.
-_UCP_EP_ATTR_LOCAL_OFFSET: Final = 8 + 32
-_UCP_EP_ATTR_REMOTE_OFFSET: Final = 8 + 32 + 128
-_UCP_EP_ATTR_BYTES: Final = 1024
-
-
-def _addresses_of(endpoint: Any) -> tuple[tuple[str, int] | None, tuple[str, int] | None]:
-    """``(local, peer)`` addresses of a listener-accepted ucxx endpoint's connection
-    (ucp_ep_query); ``(None, None)`` if UCX cannot tell."""
-    lib = _ucp_library()
-    if lib is None:
-        return None, None
-    attr = (ctypes.c_char * _UCP_EP_ATTR_BYTES)()
-    ctypes.c_uint64.from_buffer(attr).value = _UCP_EP_ATTR_FIELD_LOCAL_SOCKADDR | _UCP_EP_ATTR_FIELD_REMOTE_SOCKADDR
-    try:
-        status = lib.ucp_ep_query(ctypes.c_void_p(int(endpoint.ucp_endpoint)), attr)
-    except Exception:  # noqa: BLE001 - an endpoint already gone: nothing to protect
-        return None, None
-    if status != 0:
-        return None, None
-    base = ctypes.addressof(attr)
-    return _sockaddr(base + _UCP_EP_ATTR_LOCAL_OFFSET), _sockaddr(base + _UCP_EP_ATTR_REMOTE_OFFSET)
-
-
-class _Connection(NamedTuple):
-    """An accepted TCP connection of this process, from ``/proc``."""
-
-    fd: int
-    inode: int
-    local: tuple[str, int]
-    remote: tuple[str, int]
-
-
-def _proc_address(field: str, v6: bool) -> tuple[str, int]:
-    address, _, port = field.partition(":")
-    raw = bytes.fromhex(address)
-    if sys.byteorder == "little":  # /proc prints each 32-bit word in host order
-        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
-    family = socket.AF_INET6 if v6 else socket.AF_INET
-    return _canonical(socket.inet_ntop(family, raw)), int(port, 16)
-
-
-def _accepted_connections(port: int) -> list[_Connection]:
-    """This process's TCP connections whose local port is ``port`` (Linux ``/proc``), not listeners."""
-    sockets: dict[int, int] = {}  # inode -> fd
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue  # closed meanwhile
-        if target.startswith("socket:["):
-            sockets[int(target[8:-1])] = int(name)
-    found: list[_Connection] = []
-    for table, v6 in (("/proc/self/net/tcp", False), ("/proc/self/net/tcp6", True)):
-        try:
-            with open(table) as lines:
-                rows = lines.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()
-            if len(fields) < 10 or fields[3] == "0A":  # 0A: LISTEN
-                continue
-            local = _proc_address(fields[1], v6)
-            fd = sockets.get(int(fields[9]))
-            if local[1] == port and fd is not None:
-                found.append(_Connection(fd, int(fields[9]), local, _proc_address(fields[2], v6)))
-    return found
-
-
-def _shut_down(connection: _Connection) -> bool:
-    """Shut ``connection`` down under UCX (which then closes its own descriptor); False if its
-    descriptor no longer holds that socket."""
-    try:
-        duplicate = os.dup(connection.fd)
-    except OSError:
-        return False
-    try:
-        info = os.fstat(duplicate)
-        sock = None
-        if stat.S_ISSOCK(info.st_mode) and info.st_ino == connection.inode:  # not reused since
-            sock = socket.socket(fileno=duplicate)
-    except OSError:
-        sock = None
-    if sock is None:
-        os.close(duplicate)
-        return False
-    # Shutting the connection down through the duplicate acts on the one UCX holds (UCX then
-    # closes its own descriptor once it reads the end); closing the duplicate leaves UCX's.
-    with sock:
-        try:
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            return False
-    return True
 
 
 def _view(buffer: Any, *, writable: bool) -> memoryview:
@@ -793,7 +574,7 @@ class DataPlane:
         """
         if self.port is None:
             raise RuntimeError("DataPlane.guard() needs start() first")
-        if _ucp_library() is None or not os.path.isdir("/proc/self/fd"):
+        if ucp_library() is None or not os.path.isdir("/proc/self/fd"):
             logger.warning("data plane: cannot list or identify connections here; connections to "
                            "port %d that present no token are not closed", self.port)
             return
@@ -803,7 +584,7 @@ class DataPlane:
         while not self._closing:
             await anyio.sleep(period)
             try:
-                connections = await anyio.to_thread.run_sync(_accepted_connections, self.port)
+                connections = await anyio.to_thread.run_sync(accepted_connections, self.port)
             except Exception as exc:  # noqa: BLE001 - an unreadable /proc must not end serving
                 self._refusals("listing", "data plane: cannot list the connections to port %d: %r",
                                self.port, exc)
@@ -816,7 +597,7 @@ class DataPlane:
                                "connections to port %d are not closed by age meanwhile", self.port)
             proven = {remote for remote in (*links, *self._handshaking.values()) if remote is not None}
             now = time.monotonic()
-            unproven: list[tuple[float, _Connection]] = []
+            unproven: list[tuple[float, Connection]] = []
             for connection in connections:
                 if connection.inode in shut:
                     continue
@@ -842,8 +623,8 @@ class DataPlane:
                 del first_seen[inode]
             shut &= alive
 
-    def _refuse(self, connection: _Connection, shut: set[int], why: str, *args: Any) -> None:
-        if _shut_down(connection):
+    def _refuse(self, connection: Connection, shut: set[int], why: str, *args: Any) -> None:
+        if shut_down(connection):
             shut.add(connection.inode)
             self._refused += 1
             self._refusals(why, "data plane: closed a connection from %s that " + why,
@@ -857,7 +638,7 @@ class DataPlane:
         if self._closing:
             endpoint.abort()
             return
-        local, remote = _addresses_of(endpoint)
+        local, remote = addresses_of(endpoint)
         if self._addresses and local is not None and local[0] not in self._addresses:
             endpoint.abort()
             self._refused += 1

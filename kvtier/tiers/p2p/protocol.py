@@ -1,6 +1,6 @@
 """The p2p tier's control messages: a strict msgspec tagged union, encoded with MessagePack.
 
-The message set is vLLM's (reference §5.4): every message is a map whose ``"type"`` field is one
+The message set is vLLM's p2p tier's: every message is a map whose ``"type"`` field is one
 of ``connect``, ``connect_ack``, ``disconnect``, ``lookup``, ``lookup_resp``, ``fetch``,
 ``transfer_done``, ``abort_fetch``, ``abort_ack``. kvtier moves the bulk bytes over UCX, not
 NIXL, so the handshake carries no NIXL agent metadata or base address; it carries the UCX
@@ -131,7 +131,7 @@ class Connect(_Msg, tag="connect", frozen=True):
     """First message on a session, in both directions: who I am and what my run looks like.
 
     The receiver refuses the session unless ``block_len`` equals its slot size, the fingerprints
-    match when both are non-empty, and ``hash_seed`` equals its NONE_HASH seed (reference §5.4).
+    match when both are non-empty, and ``hash_seed`` equals its NONE_HASH seed.
     No NIXL ``agent_metadata`` / ``base_addr``: kvtier's data plane is UCX, whose listener port and
     token travel in :class:`ConnectAck`.
     """

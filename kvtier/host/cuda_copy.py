@@ -1,0 +1,277 @@
+"""The CUDA copy engine and the copy routines it issues on its streams.
+
+:class:`CudaCopyEngine` implements :class:`kvtier.host.copy_engine.CopyEngine` for CUDA device
+tensors and a pinned host buffer. The routines — :func:`copy_pairs`, :func:`copy_gathered`,
+:func:`copy_staged` — move one job with torch operations on the current stream; they work on CPU
+tensors as well, which is how they are tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.host.completions import Completions, IssuedJob
+from kvtier.host.copy_engine import CLOSE_TIMEOUT_S, CopyEngine
+from kvtier.host.copy_jobs import CopyJob, CopyOrder, CopyResult
+from kvtier.host.copy_plan import CopyPlan, first_tensor
+
+if TYPE_CHECKING:
+    from kvtier.host.slots import SlotBuffer
+    from kvtier.layout import KVGeometry
+
+__all__ = ["CudaCopyEngine", "copy_pairs", "copy_gathered", "copy_staged"]
+
+log = logging.getLogger(__name__)
+
+
+def copy_pairs(plan: CopyPlan, job: CopyJob, non_blocking: bool = False) -> int:
+    """Issue every copy of ``job`` with ``torch.Tensor.copy_``; returns the bytes this rank moves."""
+    to_host = job.direction == "to_host"
+    for host_view, device_view in plan.pairs(job, block_at_a_time=non_blocking):
+        if to_host:
+            host_view.copy_(device_view, non_blocking=non_blocking)
+        else:
+            device_view.copy_(host_view, non_blocking=non_blocking)
+    return plan.job_bytes(job)
+
+
+def copy_gathered(plan: CopyPlan, job: CopyJob, non_blocking: bool = False) -> int:
+    """Move a per-layer job (:meth:`CopyPlan.gathers`) in one contiguous copy per chunk.
+
+    The job's pages are gathered on the device into a scratch laid out as the host slots are
+    (``[chunks, bpc, layers, page]``): one ``index_select`` per layer and a ``stack`` into the
+    scratch for a store, one ``index_copy_`` per layer out of it for a load. Between the scratch
+    and each host slot there is then a single contiguous DMA, instead of one small copy per page
+    (``bpc × layers`` Python calls per chunk). Device kernels are queued on the current stream
+    (the copy stream), so the scratch is reused only after them. Works on CPU tensors as well
+    (how it is tested). Returns the bytes this rank moves.
+    """
+    first, stop = plan.layer_range(job)
+    blocks = torch.as_tensor(list(job.block_ids), dtype=torch.long)
+    if plan.device.type == "cuda":
+        # From pinned memory, asynchronously: a pageable copy would make this thread wait for the
+        # copy stream, which may itself wait behind the caller's compute.
+        blocks = blocks.pin_memory().to(plan.device, non_blocking=non_blocking)
+    layers = plan.device_kv[first:stop]
+    chunks = len(job.slot_ids)
+    shape = (chunks, plan.bpc, stop - first, *layers[0].shape[1:])
+    if job.direction == "to_host":
+        scratch = torch.stack([layer.index_select(0, blocks) for layer in layers], dim=1).view(shape)
+        for i, slot in enumerate(job.slot_ids):
+            plan.host[slot][:, first:stop].copy_(scratch[i], non_blocking=non_blocking)
+    else:
+        scratch = torch.empty(shape, dtype=layers[0].dtype, device=plan.device)
+        for i, slot in enumerate(job.slot_ids):
+            scratch[i].copy_(plan.host[slot][:, first:stop], non_blocking=non_blocking)
+        flat = scratch.view(chunks * plan.bpc, stop - first, *layers[0].shape[1:])
+        for offset, layer in enumerate(layers):
+            layer.index_copy_(0, blocks, flat[:, offset])
+    return plan.job_bytes(job)
+
+
+def copy_staged(
+    plan: CopyPlan, job: CopyJob, non_blocking: bool = False
+) -> tuple[int, Callable[[], None] | None]:
+    """Move a job whose part of the host slots is strided — a TP > 1 rank's heads inside every
+    page, or a layer group of a multi-block chunk — without the pageable staging (and wait) torch
+    would add for a strided host copy, and without a call per page.
+
+    The rank's part of the job is gathered on the device into a contiguous scratch
+    (``[blocks, layers, K/V, block_size, rank heads, head_dim]``) and moved in one DMA to or from
+    a contiguous pinned staging buffer; the CPU does the strided part. A load fills the staging
+    from the host slots first (CPU work, no wait for the device), then copies and scatters into
+    the device blocks. A store's bytes reach the host slots only once the DMA has finished: the
+    returned ``finish`` does that and must be called after the job's completion event (the
+    engine's completion thread does), before the job is reported. Returns ``(bytes, finish)``.
+    """
+    first, stop = plan.layer_range(job)
+    on_cuda = plan.device.type == "cuda"
+    blocks = torch.as_tensor(list(job.block_ids), dtype=torch.long)
+    if on_cuda:
+        blocks = blocks.pin_memory().to(plan.device, non_blocking=non_blocking)
+    page = tuple(plan.device_kv[0].shape[-4:])  # K/V, block_size, rank heads, head_dim
+    chunks = len(job.slot_ids)
+    shape = (chunks, plan.bpc, stop - first, *page)
+    staging = torch.empty(shape, dtype=plan.dtype, pin_memory=on_cuda)
+    if job.direction == "to_device":
+        for i, slot in enumerate(job.slot_ids):
+            staging[i].copy_(plan.host[slot][:, first:stop])  # CPU: strided host → contiguous staging
+        scratch = staging.to(plan.device, non_blocking=non_blocking).view(chunks * plan.bpc, stop - first, *page)
+        if plan.cross_layer:
+            plan.device_kv[0][:, first:stop].index_copy_(0, blocks, scratch)
+        else:
+            for offset, layer in enumerate(plan.device_kv[first:stop]):
+                layer.index_copy_(0, blocks, scratch[:, offset])
+        return plan.job_bytes(job), None
+    if plan.cross_layer:
+        scratch = plan.device_kv[0].index_select(0, blocks)[:, first:stop]
+    else:
+        scratch = torch.stack([layer.index_select(0, blocks) for layer in plan.device_kv[first:stop]], dim=1)
+    staging.view(scratch.shape).copy_(scratch, non_blocking=non_blocking)
+
+    def finish() -> None:
+        for i, slot in enumerate(job.slot_ids):
+            plan.host[slot][:, first:stop].copy_(staging[i])  # CPU: contiguous staging → strided host
+
+    return plan.job_bytes(job), finish
+
+
+class CudaCopyEngine(CopyEngine):
+    """Copy engine for CUDA device tensors and a pinned host buffer.
+
+    Copies are issued (``non_blocking=True``) on a dedicated stream per direction, after the
+    stream waits for the caller's order event (``kvtier.host.copy_engine``, "Ordering"). Each job
+    records a timing event before its first copy and a blocking-sync timing event after its last;
+    per stream a :class:`~kvtier.host.completions.Completions` helper thread waits for the oldest
+    job's event and reports it (``CopyResult.seconds`` is the device's own measure of the copies,
+    ``done`` the event).
+    Issuing happens in a worker thread (own limiter of 1, so jobs enter their stream in
+    submission order) to keep Python launch overhead off the loop. A layer-wise load submits one
+    job per layer group, so each group gets its own event.
+
+    Fences: a job whose issuing fails part-way is failed only after the copies it did issue have
+    finished (an event recorded after them is waited for), so its slots and blocks are never
+    released under a live copy; :meth:`aclose` waits for every issued copy of both streams; if they
+    do not finish within the close timeout, :attr:`fenced` is False and the engine's owner must
+    not release the host buffer (``kvtier.Engine`` then keeps it, and says so).
+
+    Copy granularity, never one Python call per page: cross-layer at TP 1 (all layers) copies each
+    run of consecutive blocks in one DMA; per-layer at TP 1 gathers the job's pages on the device
+    and copies each chunk in one DMA (:func:`copy_gathered`). Everything else — a TP > 1 rank,
+    whose heads are strided inside each host page, or a layer group of a multi-block chunk, strided
+    in its slot — is gathered on the device and moved through a contiguous pinned staging buffer
+    (:func:`copy_staged`), the CPU doing the strided part: for a store after the DMA, on the
+    completion thread, before the job is reported.
+    """
+
+    def __init__(
+        self,
+        device_kv: torch.Tensor | Sequence[torch.Tensor],
+        geometry: KVGeometry,
+        blocks_per_chunk: int,
+        buffer: SlotBuffer,
+        tp_rank: int = 0,
+        *,
+        max_queued_jobs: int = 1024,
+    ) -> None:
+        # Checked before the base class opens its job channel, so a refused engine owns nothing.
+        if not torch.cuda.is_available():
+            raise ConfigError("CudaCopyEngine needs CUDA; torch.cuda.is_available() is False")
+        device = first_tensor(device_kv).device
+        if device.type != "cuda":
+            raise ConfigError(f"CudaCopyEngine needs CUDA tensors, device_kv is on {device}")
+        if not buffer.pinned:
+            raise ConfigError("CudaCopyEngine needs a pinned host buffer (SlotBuffer(pin_memory=True))")
+        super().__init__(device_kv, geometry, blocks_per_chunk, buffer, tp_rank, max_queued_jobs=max_queued_jobs)
+        self._cuda_device = self._plan.device
+        # Every CUDA object is created here, after the availability check.
+        self._streams = {
+            "to_host": torch.cuda.Stream(device=self._cuda_device),
+            "to_device": torch.cuda.Stream(device=self._cuda_device),
+        }
+        self._issue_limiter = anyio.CapacityLimiter(1)
+        self._completions = {direction: Completions(self._report_issued) for direction in self._streams}
+
+    def capture_order(self, stream: Any = None, after: Any = None) -> CopyOrder:
+        """An event recorded now on ``stream`` (default: this thread's current stream on the
+        engine's device), or ``after`` itself; ``TypeError``/``ValueError`` for a stream or event
+        that is not a CUDA one of this device."""
+        if stream is None:
+            stream = torch.cuda.current_stream(self._cuda_device)
+        elif not isinstance(stream, torch.cuda.Stream):
+            raise TypeError(f"stream must be a torch.cuda.Stream, not {type(stream).__name__}")
+        elif stream.device != self._cuda_device:
+            raise ValueError(f"stream is on {stream.device}, the KV cache on {self._cuda_device}")
+        if after is None:
+            after = torch.cuda.Event()
+            after.record(stream)
+        elif not isinstance(after, torch.cuda.Event):
+            raise TypeError(f"after must be a torch.cuda.Event, not {type(after).__name__}")
+        return CopyOrder(stream, after)
+
+    def hand_over(self, order: CopyOrder | None, result: CopyResult) -> None:
+        if order is not None and result.done is not None:
+            order.stream.wait_event(result.done)
+
+    def _on_submit(self, job: CopyJob) -> Any:
+        if job.order is not None:
+            return job.order.ready
+        # No caller's order: the submitting thread's current stream now (a direct user of the
+        # engine, on the loop thread), so the copy at least waits for work enqueued there.
+        return self.capture_order().ready
+
+    async def _start_workers(self, tg: anyio.abc.TaskGroup) -> None:
+        tg.start_soon(self._issuer)
+        for completions in self._completions.values():
+            tg.start_soon(completions.run)
+
+    def _issue(self, job: CopyJob, ready: Any) -> IssuedJob:
+        """Enqueue the job's copies between its two events (worker thread; waits only to fence a
+        job that failed part-way)."""
+        stream = self._streams[job.direction]
+        start = time.monotonic()
+        with torch.cuda.device(self._cuda_device), torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            started = torch.cuda.Event(enable_timing=True)
+            started.record(stream)
+            finish = None
+            try:
+                if self._plan.gathers(job):
+                    nbytes = copy_gathered(self._plan, job, non_blocking=True)
+                elif self._plan.runs_contiguous(job):
+                    nbytes = copy_pairs(self._plan, job, non_blocking=True)
+                else:
+                    nbytes, finish = copy_staged(self._plan, job, non_blocking=True)
+            except BaseException:
+                fence = torch.cuda.Event()
+                fence.record(stream)
+                fence.synchronize()  # the copies already issued end before the job is failed
+                raise
+            done = torch.cuda.Event(enable_timing=True, blocking=True)
+            done.record(stream)
+        return IssuedJob(job, started, done, nbytes, start, finish)
+
+    async def _issuer(self) -> None:
+        async for job, ready in self._receive:
+            if not self._take_cancelled([job]):
+                continue
+            # Shielded: once handed to the thread the copies may be on the stream; keep the
+            # job so its completion is observed and reported truthfully.
+            with anyio.CancelScope(shield=True):
+                try:
+                    issued = await anyio.to_thread.run_sync(self._issue, job, ready, limiter=self._issue_limiter)
+                except Exception as exc:
+                    log.warning("copy job %d failed to issue: %r", job.job_id, exc)
+                    self._fail(job, f"copy_error: {type(exc).__name__}")
+                    continue
+            self._completions[job.direction].add(issued)
+
+    def _report_issued(self, issued: IssuedJob, seconds: float, error: BaseException | None) -> None:
+        if error is not None:
+            log.warning("copy job %d failed after its copies: %r", issued.job.job_id, error)
+            self._fail(issued.job, f"copy_error: {type(error).__name__}", seconds)
+            return
+        self._report(CopyResult(issued.job.job_id, True, issued.nbytes, seconds, done=issued.done))
+
+    async def _finish_in_flight(self) -> None:
+        # Copies already on a stream finish on their own: wait for all of them (well inside
+        # aclose's timeout) so that nobody reuses slots or blocks, or frees the buffer, under one.
+        deadline = anyio.current_time() + CLOSE_TIMEOUT_S / 2
+        for completions in self._completions.values():
+            if not await completions.fence(max(0.0, deadline - anyio.current_time())):
+                self.fenced = False
+        if not self.fenced:
+            log.error("copies still running on the GPU %.1f s into closing; the host buffer is kept "
+                      "(not freed under them)", CLOSE_TIMEOUT_S / 2)
+        for completions in self._completions.values():
+            for issued in completions.take_all():
+                self._fail(issued.job, "closed", time.monotonic() - issued.start)
