@@ -1,6 +1,7 @@
-"""Tiers: the host tier (``HostTier``) and the secondary tiers (``fs``, ``obj``, ``memory``, …).
+"""The secondary tiers (``fs``, ``obj``, ``memory``, ``p2p``) and the contract they share.
 
-Names are imported lazily so that using one tier never imports another tier's dependencies.
+The host tier's names (``HostTier``, ``SlotBuffer``, the copy engines) live in :mod:`kvtier.host`
+and are exported here too, as they always were. Names are imported lazily so that using one tier never imports another tier's dependencies.
 """
 
 from __future__ import annotations

@@ -41,6 +41,7 @@ from kvtier.tiers.p2p.roles import (
     P2PMetrics,
     P2POptions,
     Planes,
+    Role,
     TierHooks,
     close_quietly,
 )
@@ -105,7 +106,7 @@ class _PeerGaveUp(Exception):
     """The producer answered TransferDone(success=False), or the session died, mid-fetch."""
 
 
-class Consumer:
+class Consumer(Role):
     """The consumer side of every session this instance opened (see the module docstring).
 
     ``peer_served(peer)`` tells whether the producer role serves ``peer`` too (the control
@@ -114,11 +115,7 @@ class Consumer:
 
     def __init__(self, hooks: TierHooks, planes: Planes, identity: LocalIdentity, options: P2POptions,
                  metrics: P2PMetrics, peer_served: Callable[[str], bool]) -> None:
-        self._hooks = hooks
-        self._planes = planes
-        self._identity = identity
-        self._options = options
-        self._metrics = metrics
+        super().__init__(hooks, planes, identity, options, metrics)
         self._peer_served = peer_served
         self._clients: dict[str, _Client] = {}
         self._backoff: dict[str, tuple[float, float]] = {}  # peer -> (retry at, next delay)

@@ -53,6 +53,7 @@ from kvtier.tiers.p2p.roles import (
     P2PMetrics,
     P2POptions,
     Planes,
+    Role,
     TierHooks,
     close_quietly,
 )
@@ -116,7 +117,7 @@ class RemoteLookup:
     queue: list[tuple[bytes, float]] = field(default_factory=list)  # (key, give-up time)
 
 
-class Producer:
+class Producer(Role):
     """The producer side of every consumer session (see the module docstring).
 
     ``peer_consumed(peer)`` tells whether the consumer role has a session to ``peer`` too (the
@@ -126,11 +127,7 @@ class Producer:
 
     def __init__(self, hooks: TierHooks, planes: Planes, identity: LocalIdentity, options: P2POptions,
                  metrics: P2PMetrics, peer_consumed: Callable[[str], bool]) -> None:
-        self._hooks = hooks
-        self._planes = planes
-        self._identity = identity
-        self._options = options
-        self._metrics = metrics
+        super().__init__(hooks, planes, identity, options, metrics)
         self._peer_consumed = peer_consumed
         self.served: dict[str, Served] = {}
         self.parked: dict[str, list[Parked]] = {}  # kv_request_id -> parked store jobs
