@@ -37,12 +37,8 @@ from kvtier.tiers.p2p import protocol as p
 from kvtier.tiers.p2p.data import DataPlaneError, Link, chunk_tag
 from kvtier.tiers.p2p.roles import (
     REAPED_ID_RETENTION_S,
-    LocalIdentity,
-    P2PMetrics,
-    P2POptions,
-    Planes,
     Role,
-    TierHooks,
+    RoleParts,
     close_quietly,
 )
 from kvtier.types import LookupResult
@@ -113,9 +109,8 @@ class Consumer(Role):
     connection to it is then kept when our session dies).
     """
 
-    def __init__(self, hooks: TierHooks, planes: Planes, identity: LocalIdentity, options: P2POptions,
-                 metrics: P2PMetrics, peer_served: Callable[[str], bool]) -> None:
-        super().__init__(hooks, planes, identity, options, metrics)
+    def __init__(self, parts: RoleParts, peer_served: Callable[[str], bool]) -> None:
+        super().__init__(parts)
         self._peer_served = peer_served
         self._clients: dict[str, _Client] = {}
         self._backoff: dict[str, tuple[float, float]] = {}  # peer -> (retry at, next delay)

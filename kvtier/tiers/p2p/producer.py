@@ -49,12 +49,8 @@ from kvtier.tiers.p2p.data import DataPlaneError, Link, chunk_tag
 from kvtier.tiers.p2p.roles import (
     HOUSEKEEPING_S,
     REAPED_ID_RETENTION_S,
-    LocalIdentity,
-    P2PMetrics,
-    P2POptions,
-    Planes,
     Role,
-    TierHooks,
+    RoleParts,
     close_quietly,
 )
 from kvtier.types import LookupResult
@@ -125,9 +121,8 @@ class Producer(Role):
     attributes (``served``, ``parked``, ``bound``, ``lookup_pins``) are read-only for others.
     """
 
-    def __init__(self, hooks: TierHooks, planes: Planes, identity: LocalIdentity, options: P2POptions,
-                 metrics: P2PMetrics, peer_consumed: Callable[[str], bool]) -> None:
-        super().__init__(hooks, planes, identity, options, metrics)
+    def __init__(self, parts: RoleParts, peer_consumed: Callable[[str], bool]) -> None:
+        super().__init__(parts)
         self._peer_consumed = peer_consumed
         self.served: dict[str, Served] = {}
         self.parked: dict[str, list[Parked]] = {}  # kv_request_id -> parked store jobs

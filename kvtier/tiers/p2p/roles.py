@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "REAPED_ID_RETENTION_S", "HOUSEKEEPING_S", "LIMITS",
-    "TierHooks", "Planes", "LocalIdentity", "P2POptions", "P2PMetrics", "Role", "close_quietly",
+    "TierHooks", "Planes", "LocalIdentity", "P2POptions", "P2PMetrics", "RoleParts", "Role", "close_quietly",
 ]
 
 #: How long a reaped (producer) or failed (consumer) request id is remembered.
@@ -202,14 +202,24 @@ async def close_quietly(link: Link) -> None:
             pass
 
 
-class Role:
-    """What both roles are handed and keep: the tier's job hooks, the planes, the local identity,
-    the options and the shared metrics."""
+@dataclass(frozen=True)
+class RoleParts:
+    """What the tier hands each of its roles: its job hooks, the planes, the local identity, the
+    options and the shared metrics."""
 
-    def __init__(self, hooks: TierHooks, planes: Planes, identity: LocalIdentity, options: P2POptions,
-                 metrics: P2PMetrics) -> None:
-        self._hooks = hooks
-        self._planes = planes
-        self._identity = identity
-        self._options = options
-        self._metrics = metrics
+    hooks: TierHooks
+    planes: Planes
+    identity: LocalIdentity
+    options: P2POptions
+    metrics: P2PMetrics
+
+
+class Role:
+    """A role of the tier (:mod:`.consumer`, :mod:`.producer`): it keeps the parts it is handed."""
+
+    def __init__(self, parts: RoleParts) -> None:
+        self._hooks = parts.hooks
+        self._planes = parts.planes
+        self._identity = parts.identity
+        self._options = parts.options
+        self._metrics = parts.metrics

@@ -49,7 +49,16 @@ from kvtier.tiers.p2p.producer import (
     SESSION_PIN_SHARE,
     Producer,
 )
-from kvtier.tiers.p2p.roles import HOUSEKEEPING_S, LIMITS, LocalIdentity, P2PMetrics, P2POptions, Planes, TierHooks
+from kvtier.tiers.p2p.roles import (
+    HOUSEKEEPING_S,
+    LIMITS,
+    LocalIdentity,
+    P2PMetrics,
+    P2POptions,
+    Planes,
+    RoleParts,
+    TierHooks,
+)
 from kvtier.types import CacheHitSource, LookupResult, OffloadPolicy
 
 __all__ = ["P2PTier", "LIMITS", "MAX_FETCHES_PER_SESSION", "MAX_PENDING_LOOKUP_KEYS", "MAX_REQUESTS_PER_SESSION",
@@ -90,10 +99,9 @@ class P2PTier(SecondaryTier):
             record_transfer=self.record_transfer, count_lookup=self.count_lookup, notify=self.notify_manager,
             closing=lambda: self.closing, update_gauges=self._update_gauges,
         )
-        self.producer = Producer(hooks, self.planes, self.identity, self.options, self.metrics,
-                                 peer_consumed=lambda peer: self.consumer.has_session(peer))
-        self.consumer = Consumer(hooks, self.planes, self.identity, self.options, self.metrics,
-                                 peer_served=self.producer.serves)
+        parts = RoleParts(hooks, self.planes, self.identity, self.options, self.metrics)
+        self.producer = Producer(parts, peer_consumed=lambda peer: self.consumer.has_session(peer))
+        self.consumer = Consumer(parts, peer_served=self.producer.serves)
 
     def _update_gauges(self) -> None:
         metrics = self.metrics
