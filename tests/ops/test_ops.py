@@ -354,11 +354,6 @@ def test_gc_never_follows_links(tmp_path: Path) -> None:
 BLOCK, LAYERS, HEADS, DIM, NUM_BLOCKS = 4, 2, 2, 16, 64
 
 
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
 @pytest.mark.anyio
 async def test_gc_while_an_engine_serves_loads_gives_misses_never_wrong_bytes(tmp_path: Path) -> None:
     import random
