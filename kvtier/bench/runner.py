@@ -31,6 +31,7 @@ reports the median of its runs with their min and max (``aggregate_runs``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import re
 import shutil
@@ -497,7 +498,7 @@ async def run_point(
             servers: list[_Server] = []
             for strategy in strategies:
                 server = _Server(plan, strategy, model, None)
-                config = strategy.resolve(plan.host_bytes, lambda server=server: fresh_dir(server))
+                config = strategy.resolve(plan.host_bytes, functools.partial(fresh_dir, server))
                 if config is not None:
                     server.engine = await stack.enter_async_context(
                         kvtier.open(config, geometry_for(plan.model), server.pool.kv)

@@ -101,8 +101,8 @@ def gc_root(root_fd: int, root: str, *, max_bytes: int, dry_run: bool = False,
     candidates: list[tuple[float, str, str, int]] = []  # (mtime, tree, relpath, size)
     for run in found.runs:
         for rank_tree in run.trees:
-            for entry in list_tree(root_fd, rank_tree.name).chunks:
-                candidates.append((entry.mtime, rank_tree.name, entry.relpath, entry.size))
+            for chunk in list_tree(root_fd, rank_tree.name).chunks:
+                candidates.append((chunk.mtime, rank_tree.name, chunk.relpath, chunk.size))
     candidates.sort()
     total = sum(c[3] for c in candidates)
     before, files = total, len(candidates)

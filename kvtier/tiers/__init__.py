@@ -1,7 +1,8 @@
 """The secondary tiers (``fs``, ``obj``, ``memory``, ``p2p``) and the contract they share.
 
 The host tier's names (``HostTier``, ``SlotBuffer``, the copy engines) live in :mod:`kvtier.host`
-and are exported here too, as they always were. Names are imported lazily so that using one tier never imports another tier's dependencies.
+and are exported here too, as they always were. Names are imported lazily so that using one tier
+never imports another tier's dependencies.
 """
 
 from __future__ import annotations

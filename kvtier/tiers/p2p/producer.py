@@ -35,7 +35,7 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 import anyio
@@ -438,7 +438,7 @@ class Producer(Role):
             have.update(parked.record.job.keys)
         return all(key in have for key in wanted)
 
-    def _sources(self, rid: str, wanted: dict[bytes, int]) -> dict[bytes, int]:
+    def _sources(self, rid: str, wanted: Container[bytes]) -> dict[bytes, int]:
         """Wanted key -> the host slot a parked (pinned) job holds it in."""
         sources: dict[bytes, int] = {}
         for parked in self.parked.get(rid, ()):

@@ -79,11 +79,11 @@ class LocalIdentity:
     peer_id: str
     slot_bytes: int
     fingerprint: str
-    seed: int
+    seed: str  # the NONE_HASH seed (kvtier.keys.hash_seed)
     host: Any  # the SlotBuffer (``num_slots``), or None in lookup-only tests
 
     @classmethod
-    def of(cls, peer_id: str, context: TierContext, seed: int) -> LocalIdentity:
+    def of(cls, peer_id: str, context: TierContext, seed: str) -> LocalIdentity:
         return cls(peer_id, context.slot_bytes, fingerprint(context), seed, context.host)
 
     def num_slots(self) -> int:
