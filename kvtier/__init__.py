@@ -26,6 +26,8 @@ _EXPORTS: dict[str, str] = {
     "RequestParams": "kvtier.config",
     "TierFilter": "kvtier.config",
     "KVGeometry": "kvtier.layout",
+    "KVModel": "kvtier.model",
+    "KVCacheGroup": "kvtier.model",
     "LookupResult": "kvtier.types",
     "Medium": "kvtier.types",
     "Locality": "kvtier.types",
@@ -67,4 +69,5 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtier.layout import KVGeometry
     from kvtier.manager import TieringManager
     from kvtier.metrics import EngineMetrics, serve_metrics
+    from kvtier.model import KVCacheGroup, KVModel
     from kvtier.types import Locality, LookupResult, Medium, OffloadingEvent

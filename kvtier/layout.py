@@ -43,6 +43,7 @@ __all__ = [
     "ShardLayout",
     "Namespace",
     "normalize_dtype",
+    "torch_dtype",
     "run_digest",
     "run_fingerprint",
     "namespace",
@@ -94,6 +95,14 @@ def normalize_dtype(dtype: object) -> str:
             f"(aliases: {', '.join(_DTYPE_ALIASES)})"
         )
     return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype pages of canonical dtype ``name`` are viewed as (fp8 → ``torch.uint8`` storage)."""
+    import torch  # deferred: importing kvtier must not import torch
+
+    dtype: torch.dtype = getattr(torch, _TORCH_DTYPE_NAMES[name])
+    return dtype
 
 
 def _check_positive(name: str, value: object) -> None:
@@ -176,10 +185,7 @@ class KVGeometry:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype host and device pages are viewed as (fp8 → ``torch.uint8`` storage)."""
-        import torch  # deferred: importing kvtier must not import torch
-
-        dtype: torch.dtype = getattr(torch, _TORCH_DTYPE_NAMES[self.dtype])
-        return dtype
+        return torch_dtype(self.dtype)
 
     @property
     def page_shape(self) -> tuple[int, int, int, int]:

@@ -13,6 +13,8 @@ Semantics callers rely on:
   distinct (``ValueError``); ``block_ids`` beyond what the call uses are only type-checked.
   Without a device KV cache the range is not known, so only the types, signs and duplicates are
   checked.
+* With several KV-cache groups, ``block_ids`` holds one such sequence per group, in group order
+  (:func:`group_ids`); a one-group model takes the plain sequence or a one-element list of it.
 * Counts (``num_computed_tokens``, ``num_prompt_tokens``) are ints >= 0.
 
 Cost: the serving path pays two C-level passes over a plain list of ints (``set(map(type, ids))``
@@ -27,7 +29,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["int_ids", "check_block_ids", "count"]
+__all__ = ["int_ids", "group_ids", "check_block_ids", "count"]
 
 _PLAIN_INT = frozenset({int})
 _MAX_ID = 2**64 - 1
@@ -63,6 +65,31 @@ def int_ids(values: Any, name: str) -> Sequence[int]:
         bound = "must be >= 0" if value < 0 else "is larger than 2**64 - 1"
         raise ValueError(f"{name}[{index}] = {value} {bound}") from None
     return ids
+
+
+def group_ids(values: Any, num_groups: int, name: str = "block_ids") -> list[Sequence[int]]:
+    """``values`` as one sequence of ints per KV-cache group (each through :func:`int_ids`).
+
+    A one-group model takes a plain sequence of ints too. ``TypeError`` for anything else,
+    ``ValueError`` for a number of sequences other than ``num_groups``.
+    """
+    if num_groups == 1 and not _nested(values):
+        return [int_ids(values, name)]
+    if not _nested(values):
+        raise TypeError(f"{name} must hold one sequence of block ids per KV-cache group ({num_groups})")
+    groups = list(values)
+    if len(groups) != num_groups:
+        raise ValueError(f"{name} has {len(groups)} sequences; the model has {num_groups} KV-cache groups")
+    return [int_ids(ids, f"{name}[{g}]" if num_groups > 1 else name) for g, ids in enumerate(groups)]
+
+
+def _nested(values: Any) -> bool:
+    """Whether ``values`` is a list or tuple whose first element is itself a sequence of ids."""
+    if not isinstance(values, (list, tuple)) or not values:
+        return False
+    first = values[0]
+    return not isinstance(first, (str, bytes, bytearray)) and (
+        isinstance(first, (list, tuple, range)) or getattr(first, "ndim", 0) == 1)
 
 
 def _refuse_non_integral(ids: Sequence[Any], types: set[type], name: str) -> None:

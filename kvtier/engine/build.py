@@ -30,8 +30,8 @@ from kvtier.config import EngineConfig, redact
 from kvtier.engine.copies import DeviceCopies
 from kvtier.engine.event_relay import EventRelay
 from kvtier.errors import ConfigError
-from kvtier.layout import KVGeometry
 from kvtier.manager import TieringManager
+from kvtier.model import KVModel
 from kvtier.specs import OffloadingSpec
 
 if TYPE_CHECKING:
@@ -55,13 +55,14 @@ _UNUSED_HOST_SHARE_TO_WARN = 0.1
 class EngineParts:
     """The components of one engine (module docstring); their attributes are the engine's."""
 
-    def __init__(self, config: EngineConfig, spec: OffloadingSpec, geometry: KVGeometry,
-                 device_kv: Sequence[torch.Tensor] | torch.Tensor | None, *, blocks_per_chunk: int,
+    def __init__(self, config: EngineConfig, spec: OffloadingSpec, model: KVModel,
+                 device_kv: Sequence[torch.Tensor] | torch.Tensor | Mapping[str, Any] | None, *,
+                 blocks_per_chunk: int,
                  slot_bytes: int, num_slots: int, tp_rank: int, hash_algorithm: str,
                  kv_events_enabled: bool) -> None:
         self.config = config
         self.spec = spec
-        self.geometry = geometry
+        self.model = model
         self.device_kv = device_kv
         self.blocks_per_chunk = blocks_per_chunk
         self.slot_bytes = slot_bytes
@@ -87,14 +88,15 @@ class EngineParts:
 
             self.publisher = publisher_from_config(events)
             self.translator = EventTranslator(
-                self.config.self_describing_kv_events, int_hashes=self.publisher.int_hashes
+                self.config.self_describing_kv_events, int_hashes=self.publisher.int_hashes,
+                group_specs={g: (group.event_kind, group.window) for g, group in enumerate(self.model.groups)},
             )
         self._build_host()
         if self.device_kv is not None:
             from kvtier.host.copy_factory import make_copy_engine  # torch: only with device_kv
 
             self.copy_engine = make_copy_engine(
-                self.device_kv, self.geometry, self.blocks_per_chunk, self.host.buffer, tp_rank=self.tp_rank
+                self.device_kv, self.model, self.blocks_per_chunk, self.host.buffer, tp_rank=self.tp_rank
             )
             self.copies = DeviceCopies(self.copy_engine)
             self.copy_engine.set_wakeup(wake)
@@ -107,7 +109,7 @@ class EngineParts:
         self._check_backpressure_reached_the_manager()
         self.relay = EventRelay(self.manager, self.publisher, self.translator,
                                 self_describing=self.config.self_describing_kv_events,
-                                block_size=self.geometry.block_size, blocks_per_chunk=self.blocks_per_chunk)
+                                model=self.model, blocks_per_chunk=self.blocks_per_chunk)
         if self.publisher is not None:
             await tg.start(self.publisher.run)
         self._setup_metrics(metrics)
@@ -153,14 +155,14 @@ class EngineParts:
                 f"secondary_tiers: spec {self.config.spec_name!r} does not take secondary tiers"
             )
         on_asyncio = _running_on_asyncio()
-        run_fields = self.geometry.run_fields(self.blocks_per_chunk)
+        run_fields = self.model.run_fields(self.blocks_per_chunk)
         for tier_cfg in self.config.secondary_tiers:
             context = TierContext(
                 index=tier_cfg.index,
                 label=tier_cfg.label,
                 slot_bytes=self.slot_bytes,
                 host=self.host.buffer,
-                geometry=self.geometry,
+                geometry=self.model,
                 blocks_per_chunk=self.blocks_per_chunk,
                 run_fields=run_fields,
                 rank=self.tp_rank,

@@ -107,8 +107,13 @@ class DeviceCopies:
 
     @property
     def num_device_blocks(self) -> int | None:
-        """Blocks of the device KV cache (valid block ids are ``[0, n)``); ``None`` without one."""
+        """Blocks of the device KV cache of group 0 (valid block ids are ``[0, n)``); ``None`` without one."""
         return None if self.copy_engine is None else self.copy_engine.num_blocks
+
+    @property
+    def group_blocks(self) -> tuple[int, ...] | None:
+        """Device blocks of each KV-cache group; ``None`` without a device KV cache."""
+        return None if self.copy_engine is None else self.copy_engine.group_blocks
 
     def capture_order(self, stream: Any, after: Any) -> CopyOrder | None:
         """The caller's place among its device work (:meth:`CopyEngine.capture_order`).
@@ -123,13 +128,14 @@ class DeviceCopies:
         return self.copy_engine.capture_order(stream, after)
 
     def submit(self, direction: Direction, slot_ids: Sequence[int], block_ids: Sequence[int],
-               order: CopyOrder | None, layers: tuple[int, int] | None = None) -> PendingCopy:
-        """Queue one copy job without waiting; :meth:`wait` for its result."""
+               order: CopyOrder | None, layers: tuple[int, int] | None = None, group: int = 0) -> PendingCopy:
+        """Queue one copy job of KV-cache group ``group`` without waiting; :meth:`wait` for its result."""
         if self.copy_engine is None:
             raise RuntimeError("this engine was opened without device_kv; it cannot copy KV")
         copy = PendingCopy(next(self._ids), direction)
         self._pending[copy.job_id] = copy
-        self.copy_engine.submit(CopyJob(copy.job_id, direction, slot_ids, block_ids, layers=layers, order=order))
+        self.copy_engine.submit(CopyJob(copy.job_id, direction, slot_ids, block_ids, layers=layers, order=order,
+                                        group=group))
         return copy
 
     def dispatch(self) -> None:
@@ -175,17 +181,28 @@ class DeviceCopies:
 
     async def copy(self, direction: Direction, slot_ids: Sequence[int], block_ids: Sequence[int],
                    order: CopyOrder | None) -> CopyResult:
-        """Submit one copy and wait for it, shielded (module docstring); count it, hand it over."""
-        pending = self.submit(direction, slot_ids, block_ids, order)
+        """Submit one copy (of group 0) and wait for it, shielded (module docstring); count it,
+        hand it over."""
+        return (await self.copy_groups(direction, [(0, slot_ids, block_ids)], order))[0]
+
+    async def copy_groups(self, direction: Direction, jobs: Sequence[tuple[int, Sequence[int], Sequence[int]]],
+                          order: CopyOrder | None) -> list[CopyResult]:
+        """Submit one copy per ``(group, slot_ids, block_ids)``, all at once, and wait for every
+        one, shielded (module docstring); count them, hand the successful loads over."""
+        pending = [self.submit(direction, slots, blocks, order, group=group) for group, slots, blocks in jobs]
+        results: list[CopyResult] = []
         with anyio.CancelScope(shield=True):
             try:
-                result = await self.wait(pending)
+                for copy in pending:
+                    results.append(await self.wait(copy))
             finally:
-                self.discard(pending)
-        self.count(pending)
-        if direction == "to_device" and result.success:
-            self.hand_over(order, result)
-        return result
+                for copy in pending:
+                    self.discard(copy)
+        for copy, result in zip(pending, results):
+            self.count(copy)
+            if direction == "to_device" and result.success:
+                self.hand_over(order, result)
+        return results
 
     def statistics(self) -> CopyStatistics:
         return self._counters.statistics()

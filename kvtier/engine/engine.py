@@ -36,10 +36,11 @@ import anyio
 import anyio.abc
 
 from kvtier.config import EngineConfig
-from kvtier.engine.arguments import check_block_ids, count, int_ids
+from kvtier.engine.arguments import count, group_ids, int_ids
 from kvtier.engine.build import EngineParts
 from kvtier.engine.copies import DeviceCopies
 from kvtier.engine.gate import OperationGate
+from kvtier.engine.groups import resolve_hit, store_chunks
 from kvtier.engine.keying import RequestKeying, extra_keys
 from kvtier.engine.layerwise import LayerwiseLoad, check_layers_per_group
 from kvtier.engine.progress import Progress
@@ -48,6 +49,7 @@ from kvtier.errors import ConfigError, trim_traceback
 from kvtier.keys import BlockHasher, RequestExtraKeys
 from kvtier.layout import KVGeometry
 from kvtier.manager import PRIMARY_LABEL, TieringManager
+from kvtier.model import KVModel
 from kvtier.specs import load_spec
 from kvtier.types import LookupResult
 
@@ -55,7 +57,13 @@ if sys.version_info < (3, 11):  # pragma: no cover - anyio depends on the backpo
     from exceptiongroup import BaseExceptionGroup
 
 if TYPE_CHECKING:
+    from typing import Union
+
     import torch
+
+    #: The device KV cache ``open`` takes: per-layer tensors or one cross-layer tensor (one group),
+    #: or a mapping from layer name to tensor (a state layer: a sequence of tensors).
+    DeviceKV = Union[Sequence[torch.Tensor], torch.Tensor, Mapping[str, Any]]
 
     from kvtier.host.copy_engine import CopyEngine
     from kvtier.host.copy_jobs import CopyOrder
@@ -104,8 +112,8 @@ class Engine:
     def __init__(
         self,
         config: EngineConfig,
-        geometry: KVGeometry,
-        device_kv: Sequence[torch.Tensor] | torch.Tensor | None = None,
+        geometry: KVGeometry | KVModel,
+        device_kv: DeviceKV | None = None,
         *,
         tp_rank: int = 0,
         hash_algorithm: str = "sha256",
@@ -123,12 +131,16 @@ class Engine:
             )
         self.config = config
         self.spec = load_spec(config)
+        #: The description given to :func:`open` (a :class:`KVGeometry` or a :class:`KVModel`).
         self.geometry = geometry
+        #: The model's KV-cache groups (:meth:`KVModel.of` of a geometry).
+        self.model = model = KVModel.of(geometry)
         self.device_kv = device_kv
         self.tp_rank = tp_rank
-        self.blocks_per_chunk = config.resolve_blocks_per_chunk(geometry.block_size)
-        self.chunk_tokens = geometry.block_size * self.blocks_per_chunk
-        self.slot_bytes = geometry.slot_bytes(self.blocks_per_chunk)
+        self.blocks_per_chunk = config.resolve_blocks_per_chunk(_device_block_size(model, config))
+        #: Tokens per chunk of the first group (the only group of a one-group model).
+        self.chunk_tokens = model.chunk_tokens(0, self.blocks_per_chunk)
+        self.slot_bytes = model.slot_bytes(self.blocks_per_chunk)
         self.num_slots = config.num_slots(self.slot_bytes)
         #: Bytes of the host tier: ``cpu_bytes_to_use`` rounded down to whole slots.
         self.host_bytes = self.num_slots * self.slot_bytes
@@ -138,10 +150,10 @@ class Engine:
         #: Blocks of the device KV cache (valid block ids are ``[0, num_device_blocks)``);
         #: ``None`` without ``device_kv``.
         self.num_device_blocks: int | None = None
-        self.keying = RequestKeying(BlockHasher(hash_algorithm, geometry.block_size), self.blocks_per_chunk)
+        self.keying = RequestKeying(BlockHasher(hash_algorithm, model.hash_block_size), model, self.blocks_per_chunk)
         self.gate = OperationGate()
         self.parts = EngineParts(
-            config, self.spec, geometry, device_kv, blocks_per_chunk=self.blocks_per_chunk,
+            config, self.spec, model, device_kv, blocks_per_chunk=self.blocks_per_chunk,
             slot_bytes=self.slot_bytes, num_slots=self.num_slots, tp_rank=tp_rank,
             hash_algorithm=self.keying.hasher.algorithm, kv_events_enabled=kv_events_enabled,
         )
@@ -195,7 +207,7 @@ class Engine:
         self.copies = self.parts.copies
         self.num_device_blocks = self.copies.num_device_blocks
         self.stager = LoadStager(self.manager, self.keying, self.parts.relay, self.progress,
-                                 num_device_blocks=self.num_device_blocks, wait_timeout_s=self.wait_timeout_s)
+                                 group_blocks=self.copies.group_blocks, wait_timeout_s=self.wait_timeout_s)
         tg.start_soon(self.progress.drive)
         self._running = True
 
@@ -211,17 +223,21 @@ class Engine:
     def chunk_keys(self, token_ids: Sequence[int], *, cache_salt: str | None = None,
                    lora_name: str | None = None, lora_path: str | None = None,
                    mm_items: Sequence[tuple[str, int, int]] | None = None,
-                   prompt_embeds: torch.Tensor | None = None) -> list[bytes]:
-        """Offload keys of the complete chunks of ``token_ids`` (prefix order), with the extra keys."""
+                   prompt_embeds: torch.Tensor | None = None, group: int = 0) -> list[bytes]:
+        """Offload keys of the complete chunks of ``token_ids`` (prefix order) of KV-cache group
+        ``group`` (default the first), with the extra keys."""
         self.gate.check_open("chunk_keys")
+        if isinstance(group, bool) or not isinstance(group, int) or not 0 <= group < len(self.model.groups):
+            raise ValueError(f"group must be an int in [0, {len(self.model.groups)}), got {group!r}")
         extras = extra_keys(cache_salt, lora_name, lora_path, mm_items, prompt_embeds)
-        return self.keying.hashes_and_keys(int_ids(token_ids, "token_ids"), extras)[1]
+        return self.keying.group_keys(self.keying.hashes(int_ids(token_ids, "token_ids"), extras), group)
 
     def cached_prefix_tokens(self, token_ids: Sequence[int], *, cache_salt: str | None = None,
                              lora_name: str | None = None, lora_path: str | None = None,
                              mm_items: Sequence[tuple[str, int, int]] | None = None,
                              prompt_embeds: torch.Tensor | None = None) -> int:
-        """Tokens of ``token_ids`` whose chunks some tier holds now. Non-blocking, no promotion.
+        """Tokens of ``token_ids`` a load could place now: the hit every KV-cache group can serve
+        from chunks some tier holds (``kvtier.engine.groups``). Non-blocking, no promotion.
 
         A tier that does not know yet counts as a miss (its probe is started, so a later call
         may answer more). Bad ``token_ids`` or extra keys raise ``TypeError``/``ValueError``
@@ -229,19 +245,21 @@ class Engine:
         """
         self.gate.check_open("cached_prefix_tokens")
         extras = extra_keys(cache_salt, lora_name, lora_path, mm_items, prompt_embeds)
-        keys = self.keying.hashes_and_keys(int_ids(token_ids, "token_ids"), extras)[1]
+        hashes = self.keying.hashes(int_ids(token_ids, "token_ids"), extras)
         ctx = self.keying.context("peek")
-        held = 0
-        for key in keys:
+
+        def peek(key: bytes) -> LookupResult:
             if self.host.lookup(key) is not LookupResult.MISS:
-                held += 1
-                continue
-            if not any(t.lookup(key, ctx) is LookupResult.HIT for t in self.tiers):
-                break
-            held += 1
-        for tier in self.tiers:
-            tier.on_request_finished(ctx)
-        return held * self.chunk_tokens
+                return LookupResult.HIT
+            held = any(t.lookup(key, ctx) is LookupResult.HIT for t in self.tiers)
+            return LookupResult.HIT if held else LookupResult.MISS
+
+        try:
+            return resolve_hit(self.keying.groups(hashes), len(token_ids), 0, peek)[0]
+        finally:
+            for tier in self.tiers:
+                tier.on_request_finished(ctx)
+
     async def load(self, token_ids: Sequence[int], block_ids: Sequence[int],
                    params: Mapping[str, Any] | None = None, *, num_computed_tokens: int = 0,
                    cache_salt: str | None = None, lora_name: str | None = None,
@@ -260,11 +278,19 @@ class Engine:
         Returns the number of tokens beyond ``num_computed_tokens`` now on the device, so the
         caller's new computed count is ``num_computed_tokens + result``.
 
+        **Several KV-cache groups** (a :class:`kvtier.KVModel`): ``block_ids`` holds one sequence
+        per group (``block_ids[g][i]``: the device block of group ``g``'s token block ``i``). The
+        result is the hit every group can serve (``kvtier.engine.groups``), a multiple of every
+        group's chunk tokens; full-attention and MLA groups get every chunk from
+        ``num_computed_tokens`` to it, a sliding-window group only the chunks overlapping the
+        window before it, a state group only the block holding the state after its last token.
+
         Arguments are checked before any work is queued: ``token_ids`` and ``block_ids`` are
         sequences of ints (``TypeError`` otherwise: bool, float, str, None), token ids are >= 0,
         ``num_computed_tokens`` is an int >= 0, and the block ids this call may use — those of
         the chunks from ``num_computed_tokens`` to the end of ``token_ids`` — exist, lie in
-        ``[0, number of device blocks)`` and are distinct (``ValueError`` naming the id).
+        ``[0, number of device blocks)`` and are distinct (``ValueError`` naming the id); those
+        of sliding-window and state groups once the hit is known, before any copy.
         The extra keys (``cache_salt``, ``lora_name``/``lora_path``, ``mm_items``,
         ``prompt_embeds``; see :class:`Engine`) must be those the chunks were stored with;
         bad ones raise ``TypeError``/``ValueError`` naming the argument.
@@ -299,17 +325,19 @@ class Engine:
                             params: Mapping[str, Any] | None, num_computed_tokens: int,
                             extras: RequestExtraKeys, order: CopyOrder | None) -> LoadOutcome:
         token_ids = int_ids(token_ids, "token_ids")
-        block_ids = int_ids(block_ids, "block_ids")
+        groups = group_ids(block_ids, len(self.model.groups))
         num_computed_tokens = count(num_computed_tokens, "num_computed_tokens")
         async with self.gate.operation():
-            staged = await self.stager.stage(token_ids, block_ids, params, num_computed_tokens, extras)
+            staged = await self.stager.stage(token_ids, groups, params, num_computed_tokens, extras)
             arrived = False
             try:
                 if not staged.hit_keys:
                     return LoadOutcome(0, {})
-                result = await self.copies.copy("to_device", staged.slot_ids, staged.block_ids, order)
-                if not result.success:
-                    logger.error("host→device copy failed: %s", result.error)
+                results = await self.copies.copy_groups(
+                    "to_device", [(c.group, c.slot_ids, c.block_ids) for c in staged.copies if c.slot_ids], order)
+                failed = [result for result in results if not result.success]
+                if failed:
+                    logger.error("host→device copy failed: %s", failed[0].error)
                     return LoadOutcome(0, {})
                 arrived = True
                 return LoadOutcome(staged.tokens, dict(staged.tokens_by_tier))
@@ -330,6 +358,12 @@ class Engine:
         ``offload_prompt_only`` is set and ``num_prompt_tokens`` is given, stops at the prompt.
         If no host slot can be freed within ``wait_timeout_s`` nothing is offloaded (0).
 
+        With several KV-cache groups ``block_ids`` holds one sequence per group (as for
+        :meth:`load`) and each group stores what a later load can use (``kvtier.engine.groups``):
+        full-attention and MLA groups every complete chunk, a sliding-window group the chunks
+        covering its window before the hits a continuation or a repeat of the prompt would
+        have, a state group the states at those hits; the result counts the first group's tokens.
+
         Arguments are checked before any work is queued, as for :meth:`load`; the block ids
         checked for range and duplicates are those of the chunks this call offloads;
         ``num_prompt_tokens`` is ``None`` or an int >= 0. The chunks are keyed with the extra
@@ -346,29 +380,39 @@ class Engine:
         order = self.copies.capture_order(stream, after)
         extras = extra_keys(cache_salt, lora_name, lora_path, mm_items, prompt_embeds)
         token_ids = int_ids(token_ids, "token_ids")
-        block_ids = int_ids(block_ids, "block_ids")
+        groups = group_ids(block_ids, len(self.model.groups))
         if num_prompt_tokens is not None:
             num_prompt_tokens = count(num_prompt_tokens, "num_prompt_tokens")
         async with self.gate.operation():
-            return await self._store(token_ids, block_ids, params, num_prompt_tokens, extras, order)
+            return await self._store(token_ids, groups, params, num_prompt_tokens, extras, order)
 
-    async def _store(self, token_ids: Sequence[int], block_ids: Sequence[int],
+    async def _store(self, token_ids: Sequence[int], block_ids: Sequence[Sequence[int]],
                      params: Mapping[str, Any] | None, num_prompt_tokens: int | None,
                      extras: RequestExtraKeys, order: CopyOrder | None) -> int:
-        hashes, keys = self.keying.hashes_and_keys(token_ids, extras)
-        ctx = self.keying.context("store", params, keys)
-        self.manager.on_new_request(ctx)
+        keying = self.keying
+        hashes = keying.hashes(token_ids, extras)
+        ctx = keying.context("store", params)
         limit = len(token_ids)
         cap = ctx.params.max_offload_tokens
         if cap is not None:
             limit = min(limit, cap)
         if self.config.offload_prompt_only and num_prompt_tokens is not None:
             limit = min(limit, num_prompt_tokens)
-        keys = keys[: limit // self.chunk_tokens]
+        # Per group, the chunks a later load can use (kvtier.engine.groups), and where they are.
+        where: dict[bytes, tuple[int, int]] = {}
+        keys: list[bytes] = []
+        for g, group in enumerate(self.model.groups):
+            group_keys = keying.group_keys(hashes, g)
+            for i in store_chunks(group, keying.group_chunk_tokens[g], limit, keying.hit_alignment):
+                keying.place(ctx, group_keys[i : i + 1], i, g)
+                where[group_keys[i]] = (g, i)
+                keys.append(group_keys[i])
+        self.manager.on_new_request(ctx)
         try:
             if not keys:
                 return 0
-            check_block_ids(block_ids, 0, len(keys) * self.blocks_per_chunk, self.num_device_blocks)
+            for g in range(len(self.model.groups)):
+                self.stager.check_chunks(block_ids, g, [i for kg, i in where.values() if kg == g])
             deadline = anyio.current_time() + self.wait_timeout_s
             while (out := self.manager.prepare_store(keys, ctx)) is None:
                 if not await self.progress.wait(deadline):
@@ -378,21 +422,31 @@ class Engine:
                 self.progress.step()
             if not out.keys_to_store:
                 return 0
-            self.parts.relay.remember_chunks(token_ids, hashes, keys, extras)
-            index = {key: i for i, key in enumerate(keys)}
-            device_blocks: list[int] = []
-            for key in out.keys_to_store:
-                i = index[key]
-                device_blocks.extend(block_ids[i * self.blocks_per_chunk : (i + 1) * self.blocks_per_chunk])
+            for g in range(len(self.model.groups)):
+                stored = [where[key][1] for key in out.keys_to_store if where[key][0] == g]
+                if stored:
+                    self.parts.relay.remember_chunks(token_ids, hashes, [keying.group_keys(hashes, g)[i] for i in stored],
+                                                     extras, stored[0], g)
+            jobs: dict[int, tuple[list[int], list[int]]] = {}
+            for key, slot in zip(out.keys_to_store, out.slot_ids):
+                g, i = where[key]
+                slots, blocks = jobs.setdefault(g, ([], []))
+                slots.append(slot)
+                blocks.extend(self.stager.chunk_blocks(block_ids[g], g, i))
             success = False
             try:
-                result = await self.copies.copy("to_host", list(out.slot_ids), device_blocks, order)
-                success = result.success
-                if not success:
-                    logger.error("device→host copy failed: %s", result.error)
+                results = await self.copies.copy_groups(
+                    "to_host", [(g, slots, blocks) for g, (slots, blocks) in sorted(jobs.items())], order)
+                success = all(result.success for result in results)
+                for result in results:
+                    if not result.success:
+                        logger.error("device→host copy failed: %s", result.error)
             finally:
                 self.manager.complete_store(out.keys_to_store, ctx, success)
-            return len(out.keys_to_store) * self.chunk_tokens if success else 0
+            if not success:
+                return 0
+            first = [where[key][1] for key in out.keys_to_store if where[key][0] == 0]
+            return len(first) * keying.chunk_tokens
         finally:
             self.manager.on_request_finished(ctx)
             self.parts.relay.publish()
@@ -458,14 +512,14 @@ class Engine:
         self.gate.check_open("load_layerwise")
         extras = extra_keys(cache_salt, lora_name, lora_path, mm_items, prompt_embeds)
         token_ids = int_ids(token_ids, "token_ids")
-        block_ids = int_ids(block_ids, "block_ids")
+        groups = group_ids(block_ids, len(self.model.groups))
         num_computed_tokens = count(num_computed_tokens, "num_computed_tokens")
         layers_per_group = check_layers_per_group(layers_per_group)
         if self.copy_engine is None:
             raise RuntimeError("this engine was opened without device_kv; it cannot load KV layer-wise")
         order = self.copies.capture_order(stream, after)
-        return LayerwiseLoad(self.gate, self.stager, self.copies, token_ids, block_ids, params, extras,
-                             num_layers=self.geometry.num_layers, num_computed_tokens=num_computed_tokens,
+        return LayerwiseLoad(self.gate, self.stager, self.copies, token_ids, groups, params, extras,
+                             model=self.model, num_computed_tokens=num_computed_tokens,
                              layers_per_group=layers_per_group, order=order)
 
     # ------------------------------------------------------------------ shutdown
@@ -518,8 +572,8 @@ class Engine:
 @contextlib.asynccontextmanager
 async def open(  # noqa: A001 - the public name is kvtier.open
     config: Mapping[str, Any] | EngineConfig,
-    geometry: KVGeometry,
-    device_kv: Sequence[torch.Tensor] | torch.Tensor | None = None,
+    geometry: KVGeometry | KVModel,
+    device_kv: DeviceKV | None = None,
     *,
     events: Mapping[str, Any] | None = None,
     metrics: Mapping[str, Any] | None = None,
@@ -575,6 +629,18 @@ async def open(  # noqa: A001 - the public name is kvtier.open
         if isinstance(error, ConfigError) and not started:
             error = trim_traceback(error)
         raise error from None
+
+
+def _device_block_size(model: KVModel, config: EngineConfig) -> int:
+    """The device block size the ``block_size`` key is a multiple of: every group must share it
+    (with ``blocks_per_chunk`` groups may differ)."""
+    sizes = sorted({group.block_size for group in model.groups})
+    if len(sizes) > 1 and config.block_size is not None:
+        raise ConfigError(
+            f"block_size: {config.block_size!r} needs every KV-cache group to share one block size, the "
+            f"model's groups have {sizes}; set blocks_per_chunk instead"
+        )
+    return sizes[0]
 
 
 def _sole_exception(group: BaseExceptionGroup) -> BaseException:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvtier.keys import RequestExtraKeys
     from kvtier.manager import TieringManager
+    from kvtier.model import KVModel
 
 __all__ = ["EventRelay"]
 
@@ -25,12 +26,12 @@ class EventRelay:
     """The manager's events to the publisher (``None``: events are off) through the translator."""
 
     def __init__(self, manager: TieringManager, publisher: Any, translator: Any, *,
-                 self_describing: bool, block_size: int, blocks_per_chunk: int) -> None:
+                 self_describing: bool, model: KVModel, blocks_per_chunk: int) -> None:
         self.manager = manager
         self.publisher = publisher
         self.translator = translator
         self._self_describing = self_describing
-        self._block_size = block_size
+        self._model = model
         self._blocks_per_chunk = blocks_per_chunk
 
     def publish(self) -> None:
@@ -45,27 +46,36 @@ class EventRelay:
             self.publisher.publish(self.translator.cleared())
 
     def remember_chunks(self, token_ids: Sequence[int], hashes: Sequence[bytes], keys: Sequence[bytes],
-                        extras: RequestExtraKeys, first_chunk: int = 0) -> None:
+                        extras: RequestExtraKeys, first_chunk: int = 0, group: int = 0) -> None:
         """Give the event translator what self-describing events say about these chunks.
 
-        ``keys`` are consecutive chunks from chunk ``first_chunk`` on. Each chunk's metadata
-        carries its blocks' slice of ``extras.per_block`` (``None`` for a plain request), which
-        the translator publishes untagged, as vLLM does.
+        ``keys`` are consecutive chunks of KV-cache group ``group`` from chunk ``first_chunk`` on;
+        ``hashes`` are the request's block hashes (of ``hash_block_size`` tokens). A chunk's
+        blocks are the group's (its ``block_size``), each named by the hash ending at its last
+        token; each block carries the extra keys of that hash block (``None`` for a plain
+        request), published untagged, as vLLM does. Only full-attention chunks are described:
+        the others keep placeholder events (their keys alone), as in vLLM.
         """
         if self.translator is None or not self._self_describing or not keys:
             return
+        spec = self._model.groups[group]
+        if spec.kind != "full_attention":
+            return
         from kvtier.events import ChunkMetadata  # loaded with the publisher, only when events are on
 
-        bpc, block_size = self._blocks_per_chunk, self._block_size
+        bpc, block_size = self._blocks_per_chunk, spec.block_size
+        step = block_size // self._model.hash_block_size  # hash blocks per group block
         tokens = bpc * block_size
-        # Only the blocks up to the last chunk remembered (prompt-embeds digests cost a hash).
-        per_block = extras.per_block((first_chunk + len(keys)) * bpc, block_size)
+        # Only the hash blocks up to the last chunk remembered (prompt-embeds digests cost a hash).
+        per_hash = extras.per_block((first_chunk + len(keys)) * bpc * step, self._model.hash_block_size)
         for i, key in enumerate(keys, start=first_chunk):
+            ends = [(i * bpc + b + 1) * step - 1 for b in range(bpc)]  # each block's last hash
             self.translator.remember_chunk(key, ChunkMetadata(
-                block_hashes=hashes[i * bpc : (i + 1) * bpc],
-                parent_block_hash=hashes[i * bpc - 1] if i else None,
+                block_hashes=[hashes[e] for e in ends],
+                parent_block_hash=hashes[i * bpc * step - 1] if i else None,
                 token_ids=token_ids[i * tokens : (i + 1) * tokens],
                 block_size=block_size,
                 lora_name=extras.lora_name,
-                extra_keys=None if per_block is None else per_block[i * bpc : (i + 1) * bpc],
+                group_idx=group,
+                extra_keys=None if per_hash is None else [per_hash[e] for e in ends],
             ))

@@ -19,10 +19,13 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtier.context import RequestContext
+from kvtier.engine.groups import GroupKeys, hit_alignment, scan_order
 from kvtier.keys import NO_EXTRA_KEYS, BlockHasher, RequestExtraKeys, chunk_keys
 
 if TYPE_CHECKING:
     import torch
+
+    from kvtier.model import KVModel
 
 __all__ = ["RequestKeying", "extra_keys"]
 
@@ -41,25 +44,59 @@ def extra_keys(cache_salt: str | None, lora_name: str | None, lora_path: str | N
 
 
 class RequestKeying:
-    """Block hashes and chunk keys of ``token_ids``, and request contexts, for one engine."""
+    """Block hashes and per-group chunk keys of ``token_ids``, and request contexts, for one engine.
 
-    def __init__(self, hasher: BlockHasher, blocks_per_chunk: int) -> None:
+    Hashes are chained over ``model.hash_block_size`` tokens (the hasher's block size); chunk
+    ``i`` of group ``g`` covers ``chunk_tokens[g]`` tokens and is keyed by the hash ending at its
+    last token, followed by ``g`` (:mod:`kvtier.model`).
+    """
+
+    def __init__(self, hasher: BlockHasher, model: KVModel, blocks_per_chunk: int) -> None:
+        if hasher.block_size != model.hash_block_size:
+            raise ValueError(f"the hasher hashes {hasher.block_size} tokens a block, the model "
+                             f"{model.hash_block_size}")
         self.hasher = hasher
+        self.model = model
         self.blocks_per_chunk = blocks_per_chunk
-        self.chunk_tokens = hasher.block_size * blocks_per_chunk
+        #: Tokens per chunk of each group.
+        self.group_chunk_tokens = tuple(model.chunk_tokens(g, blocks_per_chunk) for g in range(len(model.groups)))
+        #: Tokens per chunk of group 0 (the only group of a one-group model).
+        self.chunk_tokens = self.group_chunk_tokens[0]
+        #: Every hit is a multiple of this many tokens (``kvtier.engine.groups.hit_alignment``).
+        self.hit_alignment = hit_alignment(self.group_chunk_tokens)
+        self._hashes_per_chunk = tuple(t // hasher.block_size for t in self.group_chunk_tokens)
+        self._scan_order = scan_order(model)
         self._req_ids = itertools.count()
+
+    def hashes(self, token_ids: Sequence[int], extras: RequestExtraKeys) -> list[bytes]:
+        """Chained block hashes of the complete hash blocks of ``token_ids``, keyed with ``extras``."""
+        bs = self.hasher.block_size
+        return self.hasher.hash_blocks(token_ids, extras.per_block(len(token_ids) // bs, bs))
+
+    def group_keys(self, hashes: Sequence[bytes], group: int) -> list[bytes]:
+        """Offload keys of the complete chunks of group ``group`` covered by ``hashes``."""
+        return chunk_keys(hashes, self._hashes_per_chunk[group], group)
+
+    def groups(self, hashes: Sequence[bytes]) -> list[GroupKeys]:
+        """Every group's chunk keys for ``hashes``, in the order hits are resolved (``kvtier.engine.groups``)."""
+        return [GroupKeys(g, self.model.groups[g], self.group_chunk_tokens[g], self.group_keys(hashes, g))
+                for g in self._scan_order]
 
     def hashes_and_keys(self, token_ids: Sequence[int],
                         extras: RequestExtraKeys) -> tuple[list[bytes], list[bytes]]:
-        """Block hashes of ``token_ids`` keyed with ``extras``, and the chunks' offload keys."""
-        bs = self.hasher.block_size
-        hashes = self.hasher.hash_blocks(token_ids, extras.per_block(len(token_ids) // bs, bs))
-        return hashes, chunk_keys(hashes, self.blocks_per_chunk)
+        """Block hashes of ``token_ids`` keyed with ``extras``, and group 0's chunk keys."""
+        hashes = self.hashes(token_ids, extras)
+        return hashes, self.group_keys(hashes, 0)
 
     def context(self, kind: str, params: Mapping[str, Any] | None = None, keys: Sequence[bytes] = (),
-                first_chunk: int = 0) -> RequestContext:
-        """A new request context; ``keys`` are consecutive chunks from chunk ``first_chunk`` on."""
+                first_chunk: int = 0, group: int = 0) -> RequestContext:
+        """A new request context; ``keys`` are consecutive chunks of ``group`` from chunk ``first_chunk`` on."""
         ctx = RequestContext(f"{kind}-{next(self._req_ids)}", params)
-        for i, key in enumerate(keys):
-            ctx.set_offload_key_position(key, (first_chunk + i + 1) * self.chunk_tokens)
+        self.place(ctx, keys, first_chunk, group)
         return ctx
+
+    def place(self, ctx: RequestContext, keys: Sequence[bytes], first_chunk: int = 0, group: int = 0) -> None:
+        """Record the token position (end) of consecutive chunks of ``group`` from ``first_chunk`` on."""
+        tokens = self.group_chunk_tokens[group]
+        for i, key in enumerate(keys):
+            ctx.set_offload_key_position(key, (first_chunk + i + 1) * tokens)

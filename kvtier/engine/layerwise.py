@@ -23,6 +23,9 @@ Semantics callers rely on:
   (layers ``start <= l < stop``), once that group's bytes of the whole prefix are on the device.
   Later groups may still be copying. With ``tokens == 0`` nothing is copied and every group is
   yielded at once, so a caller's per-layer loop is the same for a hit and a miss.
+* **Hybrid models** (a :class:`kvtier.KVModel`): layers are numbered in model order
+  (:meth:`kvtier.KVModel.layer_order`, the index in each layer name), across all KV-cache groups;
+  a layer group is on the device once every KV-cache group's copy of its layers is.
 * **A failed copy raises** :class:`LayerwiseLoadError` from the iteration, at the first group
   that did not arrive; the groups yielded before it hold correct bytes. The caller must then
   treat the whole prefix as not loaded and recompute it (its computed count stays the
@@ -79,6 +82,7 @@ if TYPE_CHECKING:
     from kvtier.engine.staging import LoadStager, StagedLoad
     from kvtier.host.copy_jobs import CopyOrder
     from kvtier.keys import RequestExtraKeys
+    from kvtier.model import KVModel
 
 __all__ = ["LayerGroup", "LayerwiseLoad", "LayerwiseLoadError", "BlockingLayerwiseLoad", "layer_groups"]
 
@@ -106,6 +110,17 @@ class LayerwiseLoadError(KvtierError, RuntimeError):
         )
         self.group = group
         self.reason = reason
+
+
+def _spans(layers: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``(kv_group, start, stop)`` runs of consecutive layers of one KV-cache group, in order."""
+    spans: list[tuple[int, int, int]] = []
+    for kv_group, layer in layers:
+        if spans and spans[-1][0] == kv_group and spans[-1][2] == layer:
+            spans[-1] = (kv_group, spans[-1][1], layer + 1)
+        else:
+            spans.append((kv_group, layer, layer + 1))
+    return spans
 
 
 def layer_groups(num_layers: int, layers_per_group: int) -> list[LayerGroup]:
@@ -143,11 +158,11 @@ class LayerwiseLoad:
         stager: LoadStager,
         copies: DeviceCopies,
         token_ids: Sequence[int],
-        block_ids: Sequence[int],
+        block_ids: Sequence[Sequence[int]],
         params: Mapping[str, Any] | None,
         extras: RequestExtraKeys,
         *,
-        num_layers: int,
+        model: KVModel,
         num_computed_tokens: int,
         layers_per_group: int,
         order: CopyOrder | None = None,
@@ -161,7 +176,8 @@ class LayerwiseLoad:
         self._params = params
         self._extras = extras
         self._num_computed = num_computed_tokens
-        self.groups: list[LayerGroup] = layer_groups(num_layers, layers_per_group)
+        self.groups: list[LayerGroup] = layer_groups(model.num_layers, layers_per_group)
+        self._layer_order = model.layer_order()
         #: Tokens beyond ``num_computed_tokens`` the prefix adds once every group arrived (on entry).
         self.tokens = 0
         #: ``tokens`` per tier label, as :meth:`kvtier.Engine.load_with_sources` reports them.
@@ -171,7 +187,8 @@ class LayerwiseLoad:
         self._next = 0  # index of the next group to yield
         self._failure: LayerwiseLoadError | None = None
         self._staged: StagedLoad | None = None  # set once staged; finished on leaving
-        self._group_copies: list[PendingCopy] = []  # one per group, once staged with a hit
+        # Per layer group, once staged with a hit: one copy per KV-cache group it has layers of.
+        self._group_copies: list[list[PendingCopy]] = []
         self._stack = contextlib.AsyncExitStack()
 
     # --- context manager ------------------------------------------------------------------------
@@ -223,15 +240,15 @@ class LayerwiseLoad:
         group = self.groups[self._next]
         if self._group_copies:
             copies = self._device_copies
-            copy = self._group_copies[self._next]
-            result = await copies.wait(copy)
-            copies.count(copy)
-            if not result.success:
-                logger.error("layer-wise host→device copy of layers %d..%d failed: %s",
-                             group.start, group.stop - 1, result.error)
-                self._failure = LayerwiseLoadError(group, result.error)
-                raise self._failure
-            copies.hand_over(self._order, result)  # the caller's stream waits for the group
+            for copy in self._group_copies[self._next]:
+                result = await copies.wait(copy)
+                copies.count(copy)
+                if not result.success:
+                    logger.error("layer-wise host→device copy of layers %d..%d failed: %s",
+                                 group.start, group.stop - 1, result.error)
+                    self._failure = LayerwiseLoadError(group, result.error)
+                    raise self._failure
+                copies.hand_over(self._order, result)  # the caller's stream waits for the group
         self._next += 1
         return group
 
@@ -243,31 +260,39 @@ class LayerwiseLoad:
         self.tokens_by_tier = dict(staged.tokens_by_tier)
         self.tokens = staged.tokens
         if staged.hit_keys:
+            copies = {copy.group: copy for copy in staged.copies if copy.slot_ids}
             for group in self.groups:
-                self._group_copies.append(self._device_copies.submit(
-                    "to_device", staged.slot_ids, staged.block_ids, self._order, layers=(group.start, group.stop)))
+                jobs = []
+                for kv_group, start, stop in _spans(self._layer_order[group.start : group.stop]):
+                    if kv_group in copies:
+                        part = copies[kv_group]
+                        jobs.append(self._device_copies.submit(
+                            "to_device", part.slot_ids, part.block_ids, self._order, layers=(start, stop),
+                            group=kv_group))
+                self._group_copies.append(jobs)
 
     async def _leave(self) -> None:
         """Withdraw copies not started, wait for the rest (shielded), then finish the staged load."""
         self._state = _State.LEFT
         copies = self._device_copies
         arrived = False
-        copies_done = not self._group_copies  # until then a copy may still read the pinned slots
+        pending = [copy for jobs in self._group_copies for copy in jobs]
+        copies_done = not pending  # until then a copy may still read the pinned slots
         try:
             with anyio.CancelScope(shield=True):
-                for copy in self._group_copies:
+                for copy in pending:
                     copies.cancel(copy)
                 try:
                     # Every job is reported exactly once (also when the engine closes): this ends.
-                    for copy in self._group_copies:
+                    for copy in pending:
                         await copies.wait(copy)
                     copies_done = True
                 finally:
-                    for copy in self._group_copies:
+                    for copy in pending:
                         copies.discard(copy)
-            for copy in self._group_copies:
+            for copy in pending:
                 copies.count(copy)
-            arrived = bool(self._group_copies) and all(c.result is not None and c.result.success for c in self._group_copies)
+            arrived = bool(pending) and all(c.result is not None and c.result.success for c in pending)
         finally:
             try:
                 staged = self._staged

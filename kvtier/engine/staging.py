@@ -5,12 +5,12 @@
 
 Semantics callers rely on:
 
-* Staging keys ``token_ids`` with the request's extra keys, starts the request, takes the chunks
-  from chunk ``num_computed_tokens // chunk_tokens`` on (capped by ``max_load_tokens``), checks
-  the block ids they would use, resolves the prefix held in host memory — promotions and probes
-  of secondary tiers are awaited up to ``wait_timeout_s``; the prefix ends at the first miss, or
-  at a chunk still pending when the time is up — records its chunks for self-describing events
-  and pins its host slots.
+* Staging keys ``token_ids`` with the request's extra keys, starts the request, finds the hit
+  every KV-cache group can serve from ``num_computed_tokens`` on (capped by ``max_load_tokens``;
+  ``kvtier.engine.groups``) — promotions and probes of secondary tiers are awaited up to
+  ``wait_timeout_s``, then a chunk still pending counts as missing — checks the block ids the
+  hit uses (those of prefix groups before any lookup), records its chunks for self-describing
+  events and pins the host slots of exactly the chunks each group needs.
 * The caller owns the :class:`StagedLoad` and hands it to :meth:`LoadStager.finish` exactly
   once, whatever happened to its copy. If staging raises (bad block ids, cancellation), it has
   finished the request itself and nothing stays pinned.
@@ -28,6 +28,7 @@ import anyio
 
 from kvtier.context import RequestContext
 from kvtier.engine.arguments import check_block_ids
+from kvtier.engine.groups import GroupKeys, load_chunks, resolve_hit
 from kvtier.types import LookupResult
 
 if TYPE_CHECKING:
@@ -37,28 +38,37 @@ if TYPE_CHECKING:
     from kvtier.keys import RequestExtraKeys
     from kvtier.manager import TieringManager
 
-__all__ = ["StagedLoad", "LoadStager"]
+__all__ = ["GroupCopy", "StagedLoad", "LoadStager"]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupCopy:
+    """The part of a staged load one KV-cache group copies: host slots and device blocks."""
+
+    group: int
+    slot_ids: list[int]
+    block_ids: list[int]
 
 
 @dataclass(slots=True)
 class StagedLoad:
-    """A load staged up to its host→device copy.
+    """A load staged up to its host→device copies.
 
-    ``hit_keys`` — the prefix to place, from chunk ``num_computed_tokens // chunk_tokens`` on —
-    are pinned in host memory (``slot_ids``, co-indexed) until :meth:`LoadStager.finish`;
-    ``block_ids`` are their device blocks, in order. ``tokens_by_tier`` counts, per tier label,
-    the tokens beyond ``num_computed_tokens`` they hold. Empty lists: a miss, nothing pinned.
+    ``hit_keys`` — the chunks to place, of every group (``kvtier.engine.groups``) — are pinned in
+    host memory until :meth:`LoadStager.finish`; ``copies`` say, per group, which slots go to
+    which device blocks. ``tokens_by_tier`` counts, per tier label, the tokens beyond
+    ``num_computed_tokens`` the hit adds, attributed to the tier of the chunk holding each of them
+    (the first group's chunks that cover it). Empty lists: a miss, nothing pinned.
     """
 
     ctx: RequestContext
     hit_keys: list[bytes] = field(default_factory=list)
-    slot_ids: list[int] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
+    copies: list[GroupCopy] = field(default_factory=list)
     tokens_by_tier: dict[str, int] = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
-        """New tokens on the device once every chunk of the prefix arrived (what ``load`` returns)."""
+        """New tokens on the device once every chunk arrived (what ``load`` returns)."""
         return sum(self.tokens_by_tier.values())
 
 
@@ -66,48 +76,107 @@ class LoadStager:
     """Stages and finishes the loads of one engine (module docstring); loop thread only."""
 
     def __init__(self, manager: TieringManager, keying: RequestKeying, relay: EventRelay,
-                 progress: Progress, *, num_device_blocks: int | None, wait_timeout_s: float) -> None:
+                 progress: Progress, *, group_blocks: Sequence[int] | None, wait_timeout_s: float) -> None:
         self.manager = manager
         self.keying = keying
         self.relay = relay
         self.progress = progress
-        self.num_device_blocks = num_device_blocks
+        self.group_blocks = group_blocks
         self.wait_timeout_s = wait_timeout_s
 
-    async def stage(self, token_ids: Sequence[int], block_ids: Sequence[int], params: Mapping[str, Any] | None,
-                    num_computed_tokens: int, extras: RequestExtraKeys) -> StagedLoad:
-        """Everything a load does before its copy (module docstring); hand the result to :meth:`finish`."""
-        hashes, keys = self.keying.hashes_and_keys(token_ids, extras)
-        chunk_tokens = self.keying.chunk_tokens
-        first = num_computed_tokens // chunk_tokens
-        ctx = self.keying.context("load", params, keys[first:], first)
+    async def stage(self, token_ids: Sequence[int], block_ids: Sequence[Sequence[int]],
+                    params: Mapping[str, Any] | None, num_computed_tokens: int,
+                    extras: RequestExtraKeys) -> StagedLoad:
+        """Everything a load does before its copy (module docstring); hand the result to :meth:`finish`.
+
+        ``block_ids`` holds one sequence per group (``block_ids[g][i]``: the device block of
+        group ``g``'s token block ``i``).
+        """
+        keying = self.keying
+        hashes = keying.hashes(token_ids, extras)
+        groups = keying.groups(hashes)
+        computed = num_computed_tokens
+        ctx = keying.context("load", params)
+        for group in groups:
+            first = computed // group.chunk_tokens
+            keying.place(ctx, group.keys[first:], first, group.index)
         self.manager.on_new_request(ctx)
         staged = StagedLoad(ctx)
         try:
-            candidates = keys[first:]
+            bound = len(token_ids)
             limit = ctx.params.max_load_tokens
             if limit is not None:
-                candidates = candidates[: limit // chunk_tokens]
-            bpc = self.keying.blocks_per_chunk
-            check_block_ids(block_ids, first * bpc, (first + len(candidates)) * bpc, self.num_device_blocks)
-            hit_keys = await self.resolve_prefix(candidates, ctx)
-            if not hit_keys:
+                bound = min(bound, computed + limit)
+            # The blocks of every group that any hit up to ``bound`` could write, checked before
+            # any lookup (a sliding window's and a state's only once the hit is known, below).
+            for group in groups:
+                if group.group.loads_prefix:
+                    self.check_chunks(block_ids, group.index, load_chunks(group.group, group.chunk_tokens, bound, computed))
+            hit = await self.resolve(groups, bound, computed, ctx)
+            if hit <= computed:
                 return staged
-            self.relay.remember_chunks(token_ids, hashes, hit_keys, extras, first)
-            staged.slot_ids = self.manager.prepare_load(hit_keys, ctx)
-            staged.hit_keys = hit_keys
-            staged.block_ids = list(block_ids[first * bpc : (first + len(hit_keys)) * bpc])
-            # Count only tokens beyond what the caller already had: the first chunk may start
-            # before num_computed_tokens when that is not chunk-aligned.
-            for i, key in enumerate(hit_keys, start=first):
-                new_tokens = (i + 1) * chunk_tokens - max(i * chunk_tokens, num_computed_tokens)
-                if new_tokens > 0:
-                    label = self.manager.get_load_source(key, ctx)
-                    staged.tokens_by_tier[label] = staged.tokens_by_tier.get(label, 0) + new_tokens
+            chunks = {g.index: load_chunks(g.group, g.chunk_tokens, hit, computed) for g in groups}
+            for group in groups:
+                self.check_chunks(block_ids, group.index, chunks[group.index])
+            for group in groups:
+                span = chunks[group.index]
+                self.relay.remember_chunks(token_ids, hashes, group.keys[span.start : span.stop], extras,
+                                           span.start, group.index)
+            keys = [group.keys[i] for group in groups for i in chunks[group.index]]
+            slots = self.manager.prepare_load(keys, ctx)
+            staged.hit_keys = keys
+            at = 0
+            for group in groups:
+                span = chunks[group.index]
+                blocks: list[int] = []
+                for i in span:
+                    blocks.extend(self.chunk_blocks(block_ids[group.index], group.index, i))
+                staged.copies.append(GroupCopy(group.index, list(slots[at : at + len(span)]), blocks))
+                at += len(span)
+            self._count_sources(staged, next(g for g in groups if g.index == 0), chunks[0], computed, hit)
         except BaseException:
             self.finish(staged, arrived=False)
             raise
+        staged.copies.sort(key=lambda c: c.group)
         return staged
+
+    def chunk_blocks(self, group_block_ids: Sequence[int], group: int, chunk: int) -> Sequence[int]:
+        """Device blocks chunk ``chunk`` of ``group`` copies: all ``blocks_per_chunk`` of them, or
+        the last one (a state group's chunk is the state after its last token)."""
+        bpc = self.keying.blocks_per_chunk
+        per_chunk = self.keying.model.groups[group].blocks_per_slot(bpc)
+        return group_block_ids[(chunk + 1) * bpc - per_chunk : (chunk + 1) * bpc]
+
+    def check_chunks(self, block_ids: Sequence[Sequence[int]], group: int, chunks: Sequence[int]) -> None:
+        """The device blocks that ``chunks`` (ascending) of ``group`` use exist, are in range and
+        distinct (ValueError)."""
+        if not chunks:
+            return
+        bpc = self.keying.blocks_per_chunk
+        per_chunk = self.keying.model.groups[group].blocks_per_slot(bpc)
+        name = "block_ids" if len(self.keying.model.groups) == 1 else f"block_ids[{group}]"
+        num_blocks = None if self.group_blocks is None else self.group_blocks[group]
+        ids = block_ids[group]
+        if per_chunk == bpc and chunks[-1] - chunks[0] == len(chunks) - 1:  # one run of chunks
+            check_block_ids(ids, chunks[0] * bpc, (chunks[-1] + 1) * bpc, num_blocks, name)
+        else:
+            for i in chunks:
+                check_block_ids(ids, (i + 1) * bpc - per_chunk, (i + 1) * bpc, num_blocks, name)
+
+    def _count_sources(self, staged: StagedLoad, group: GroupKeys, chunks: range, computed: int,
+                       hit: int) -> None:
+        """Attribute the new tokens to tiers by the chunks of group 0 that hold them (a state
+        group's single chunk holds them all)."""
+        size = group.chunk_tokens
+        if group.group.kind == "mamba" or group.group.kind == "sliding_window":
+            label = self.manager.get_load_source(group.keys[hit // size - 1], staged.ctx)
+            staged.tokens_by_tier[label] = hit - computed
+            return
+        for i in chunks:
+            new_tokens = (i + 1) * size - max(i * size, computed)
+            if new_tokens > 0:
+                label = self.manager.get_load_source(group.keys[i], staged.ctx)
+                staged.tokens_by_tier[label] = staged.tokens_by_tier.get(label, 0) + new_tokens
 
     def finish(self, staged: StagedLoad, *, arrived: bool) -> None:
         """End a staged load: unpin its chunks, count them as used (recency) only if ``arrived``
@@ -121,26 +190,22 @@ class LoadStager:
             self.manager.on_request_finished(staged.ctx)
             self.relay.publish()
 
-    async def resolve_prefix(self, keys: Sequence[bytes], ctx: RequestContext) -> list[bytes]:
-        """Longest prefix of ``keys`` that is ``HIT`` in host memory, awaiting promotions/probes."""
+    async def resolve(self, groups: Sequence[GroupKeys], bound: int, computed: int, ctx: RequestContext) -> int:
+        """The hit every group serves (:func:`kvtier.engine.groups.resolve_hit`), awaiting
+        promotions and probes up to ``wait_timeout_s``; then a pending chunk counts as missing."""
         deadline = anyio.current_time() + self.wait_timeout_s
         while True:
-            prefix = 0
-            waiting = False
-            for key in keys:
-                verdict = self.manager.lookup(key, ctx)
-                if verdict is LookupResult.HIT:
-                    if not waiting:
-                        prefix += 1
-                elif verdict is LookupResult.MISS:
-                    break
-                else:  # HIT_PENDING or RETRY: keep scanning so later probes start now
-                    waiting = True
+            hit, waiting = resolve_hit(groups, bound, computed, lambda key: self.manager.lookup(key, ctx))
             if not waiting:
-                return list(keys[:prefix])
+                return hit
             self.manager.on_schedule_end()
             if not await self.progress.wait(deadline):
                 # Give up on what is still pending; a later request will find it.
                 self.manager.on_schedule_end()
-                return list(keys[:prefix])
+                return resolve_hit(groups, bound, computed, lambda key: _held_now(self.manager.lookup(key, ctx)))[0]
             self.progress.step()
+
+
+def _held_now(verdict: LookupResult) -> LookupResult:
+    """A verdict with everything still pending counted as a miss."""
+    return verdict if verdict is LookupResult.HIT else LookupResult.MISS

@@ -29,6 +29,7 @@ from kvtier.engine.engine import Engine, open
 from kvtier.engine.layerwise import BlockingLayerwiseLoad
 from kvtier.errors import ConfigError, EngineClosedError, trim_traceback
 from kvtier.layout import KVGeometry
+from kvtier.model import KVModel
 
 if TYPE_CHECKING:
     import torch
@@ -180,8 +181,8 @@ class ThreadedEngine:
 
 def start_in_thread(
     config: Mapping[str, Any] | EngineConfig,
-    geometry: KVGeometry,
-    device_kv: Sequence[torch.Tensor] | torch.Tensor | None = None,
+    geometry: KVGeometry | KVModel,
+    device_kv: Sequence[torch.Tensor] | torch.Tensor | Mapping[str, Any] | None = None,
     **kwargs: Any,
 ) -> ThreadedEngine:
     """Start an engine on an asyncio loop in a background thread; return its blocking facade.

@@ -8,7 +8,7 @@ per-block extra keys (:func:`event_extra_keys`) and group.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,14 +101,21 @@ class EventTranslator:
     first; later events for it fall back to placeholders). Keys never remembered always get
     placeholders.
 
+    In self-describing mode every :class:`BlockStored` also names its group's kind and sliding
+    window (``group_specs``), placeholders included, as vLLM does; placeholder mode names neither.
+
     Events without keys are dropped (a ``metadata_only`` removal whose keys are all still held
     arrives empty). Not thread-safe: called from the engine's loop thread only.
     """
 
-    def __init__(self, self_describing: bool, int_hashes: bool = True, *, max_chunks: int = 16384) -> None:
+    def __init__(self, self_describing: bool, int_hashes: bool = True, *, max_chunks: int = 16384,
+                 group_specs: Mapping[int, tuple[str, int | None]] | None = None) -> None:
         if max_chunks < 1:
             raise ValueError("max_chunks must be at least 1")
         self.self_describing = self_describing
+        #: Per KV-cache group, the ``(kv_cache_spec_kind, kv_cache_spec_sliding_window)`` every
+        #: stored event of the group carries in self-describing mode (placeholders too).
+        self.group_specs = dict(group_specs or {})
         self.int_hashes = int_hashes
         self.max_chunks = max_chunks
         self._chunks: OrderedDict[bytes, _Remembered] = OrderedDict()
@@ -150,6 +157,9 @@ class EventTranslator:
         self._chunks.clear()
         return [AllBlocksCleared()]
 
+    def _spec(self, group_idx: int) -> tuple[str | None, int | None]:
+        return self.group_specs.get(group_idx, (None, None))
+
     def _hash(self, h: bytes) -> ExternalBlockHash:
         return external_hash(h, self.int_hashes)
 
@@ -174,12 +184,15 @@ class EventTranslator:
                         lora_name=md.lora_name,
                         extra_keys=event_extra_keys(md.extra_keys),
                         group_idx=md.group_idx,
+                        kv_cache_spec_kind=self._spec(md.group_idx)[0],
+                        kv_cache_spec_sliding_window=self._spec(md.group_idx)[1],
                         locality=locality,
                         ownership=ownership,
                     )
                 )
             else:
                 block_hash, group_idx = split_offload_key(key)
+                kind, window = self._spec(group_idx) if self.self_describing else (None, None)
                 out.append(
                     BlockStored(
                         block_hashes=[self._hash(block_hash)],
@@ -190,6 +203,8 @@ class EventTranslator:
                         medium=medium,
                         lora_name=None,
                         group_idx=group_idx,
+                        kv_cache_spec_kind=kind,
+                        kv_cache_spec_sliding_window=window,
                         locality=locality,
                         ownership=ownership,
                     )

@@ -7,8 +7,9 @@ Each name has one home, imported from there:
 * ``slots`` — :class:`SlotBuffer`, the host bytes themselves;
 * ``copy_engine`` — :class:`CopyEngine`, the contract every copy engine keeps;
 * ``copy_jobs`` — :class:`CopyJob`, :class:`CopyOrder`, :class:`CopyResult`: what it is handed and reports;
-* ``copy_plan`` — :class:`CopyPlan`, the layouts and views one rank's copies run between;
+* ``copy_plan`` — :func:`plan_copies` and the :class:`CopyPlans` it builds: one :class:`CopyPlan` per
+  page part of each KV-cache group, the layouts and views one rank's copies run between;
 * ``cpu_copy`` / ``cuda_copy`` — :class:`CpuCopyEngine` / :class:`CudaCopyEngine` (and the copy routines it
-  issues); ``completions`` — how the CUDA engine sees its copies finish;
+  issues, :func:`copy_parts` picking one per part); ``completions`` — how the CUDA engine sees its copies finish;
 * ``copy_factory`` — :func:`make_copy_engine`, the engine that fits a KV cache.
 """

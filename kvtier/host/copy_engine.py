@@ -11,6 +11,10 @@ lifetime (``prepare_store``/``prepare_load`` before submit, ``complete_*`` after
 keeps the device blocks allocated until the result arrives. The engine only copies bytes; the
 layouts it copies between are described in :mod:`kvtier.host.copy_plan`.
 
+An engine is opened for a :class:`kvtier.model.KVModel` (or a :class:`kvtier.layout.KVGeometry`,
+its one-group case): a job copies chunks of one KV-cache group (``CopyJob.group``), every part
+of that group's pages, between the group's device blocks and the host slots shared by all groups.
+
 A job may be restricted to a range of layers (``CopyJob.layers``): layer-wise loading
 (``kvtier.engine.layerwise``) submits one job per group of layers, in layer order, so a caller can
 compute layer ``i`` while layer ``i + 1`` is still copying. Such a job is reported as soon as its
@@ -45,20 +49,20 @@ from __future__ import annotations
 
 import abc
 import collections
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
-import torch
 
 from kvtier.errors import ConfigError
 from kvtier.host.copy_jobs import CopyJob, CopyOrder, CopyResult
-from kvtier.host.copy_plan import CopyPlan
+from kvtier.host.copy_plan import DeviceKV, plan_copies
 
 if TYPE_CHECKING:
     from kvtier.host.slots import SlotBuffer
     from kvtier.layout import KVGeometry
+    from kvtier.model import KVModel
 
 __all__ = ["CopyEngine", "CLOSE_TIMEOUT_S"]
 
@@ -88,8 +92,8 @@ class CopyEngine(abc.ABC):
 
     def __init__(
         self,
-        device_kv: torch.Tensor | Sequence[torch.Tensor],
-        geometry: KVGeometry,
+        device_kv: DeviceKV,
+        model: KVModel | KVGeometry,
         blocks_per_chunk: int,
         buffer: SlotBuffer,
         tp_rank: int = 0,
@@ -98,7 +102,7 @@ class CopyEngine(abc.ABC):
     ) -> None:
         if max_queued_jobs < 1:
             raise ConfigError(f"max_queued_jobs must be >= 1, got {max_queued_jobs}")
-        self._plan = CopyPlan(device_kv, geometry, blocks_per_chunk, buffer, tp_rank)
+        self._plans = plan_copies(device_kv, model, blocks_per_chunk, buffer, tp_rank)
         # Opened last, so a constructor that raises leaves nothing to close. Each queued item
         # carries what the engine prepared at submit time (see _on_submit).
         self._send, self._receive = anyio.create_memory_object_stream[tuple[CopyJob, Any]](max_queued_jobs)
@@ -115,20 +119,30 @@ class CopyEngine(abc.ABC):
     # --- manager-facing (sync, loop thread) ---------------------------------------------------
     @property
     def chunk_bytes(self) -> int:
-        """Bytes one chunk occupies in a host slot (all ranks together)."""
-        return self._plan.chunk_bytes
+        """Bytes one chunk of group 0 occupies in a host slot (all ranks together)."""
+        return self._plans.model.chunk_bytes(0, self._plans.blocks_per_chunk)
 
     @property
     def num_blocks(self) -> int:
-        """Blocks of the device KV cache: valid block ids are ``[0, num_blocks)``."""
-        return self._plan.num_blocks
+        """Blocks of group 0's device KV cache: its valid block ids are ``[0, num_blocks)``."""
+        return self._plans.group_blocks[0]
+
+    @property
+    def group_blocks(self) -> tuple[int, ...]:
+        """Device blocks of each KV-cache group: group ``g``'s valid block ids are ``[0, group_blocks[g])``."""
+        return self._plans.group_blocks
+
+    @property
+    def num_groups(self) -> int:
+        """KV-cache groups of the model (valid ``CopyJob.group`` values are ``[0, num_groups)``)."""
+        return len(self._plans.groups)
 
     def submit(self, job: CopyJob) -> None:
         """Queue ``job`` without waiting; a refused job is reported failed right away."""
         if self._closed:
             self._fail(job, "closed")
             return
-        problem = self._plan.validate(job)
+        problem = self._plans.validate(job)
         if problem is not None:
             self._fail(job, f"invalid job: {problem}")
             return

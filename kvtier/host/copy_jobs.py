@@ -36,9 +36,12 @@ class CopyJob:
     """Copy ``len(slot_ids)`` chunks between device blocks and host slots.
 
     ``direction`` is ``"to_host"`` (device → host, a store) or ``"to_device"`` (host → device, a
-    load). Chunk ``i`` uses device blocks ``block_ids[i*bpc:(i+1)*bpc]`` and host slot
-    ``slot_ids[i]``; so ``len(block_ids) == len(slot_ids) * blocks_per_chunk``. ``layers``
-    ``(start, stop)`` copies only layers ``start <= l < stop`` of every page (``None``: all).
+    load) of KV-cache group ``group`` (index into ``KVModel.groups``). With ``n`` the blocks one
+    chunk of that group copies (``KVCacheGroup.blocks_per_slot``: ``blocks_per_chunk``, or 1 for a
+    Mamba group, whose chunk is the state at its end), chunk ``i`` uses device blocks
+    ``block_ids[i*n:(i+1)*n]`` and host slot ``slot_ids[i]``; so ``len(block_ids) ==
+    len(slot_ids) * n``. ``layers`` ``(start, stop)`` copies only the group's own layers
+    ``start <= l < stop`` of every page (``None``: all of them).
     ``order`` is the caller's :meth:`~kvtier.host.copy_engine.CopyEngine.capture_order`
     (``None``: the CUDA engine waits for the current stream of the thread that submits, the
     engine's loop thread).
@@ -50,6 +53,7 @@ class CopyJob:
     block_ids: Sequence[int]
     layers: tuple[int, int] | None = None
     order: CopyOrder | None = None
+    group: int = 0
 
 
 @dataclass(frozen=True, slots=True)

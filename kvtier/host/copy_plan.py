@@ -1,185 +1,155 @@
-"""The plan of one rank's copies: validated shapes plus the tensor views a job copies between.
+"""The plan of one rank's copies: validated device tensors plus the tensor views a job copies between.
 
-Layouts (``docs/internals.md``): ``device_kv`` is either a list of per-layer tensors
-``[num_blocks, 2, block_size, heads, head_dim]`` or one cross-layer tensor
-``[num_blocks, num_layers, 2, block_size, heads, head_dim]``; ``heads`` is this TP rank's share.
-A host slot is canonical and independent of TP: page ``(b, l)`` at ``(b * num_layers + l) *
-page_bytes``, i.e. the slot viewed as ``[bpc, num_layers, 2, block_size, all_heads, head_dim]``.
-A rank copies into its head slice of every page, so ``tp_size`` ranks together fill one slot.
+The model is a :class:`kvtier.model.KVModel` (a :class:`kvtier.layout.KVGeometry` is its
+one-group case). ``device_kv`` takes one of these forms:
 
-Every copy engine builds one :class:`CopyPlan` and moves bytes only between the views it hands out;
-which copy routine fits a job (:meth:`CopyPlan.gathers`, :meth:`CopyPlan.runs_contiguous`) is
-decided here too, from the layout alone.
+* a list of per-layer tensors, or one cross-layer tensor ``[num_blocks, num_layers, *page]``:
+  only for a model with one KV-cache group (the layer order is the group's);
+* a mapping layer name → tensor for attention and MLA layers, layer name → sequence of tensors
+  (one per state shape, in order) for Mamba layers, naming every layer of the model.
+
+Per layer a full- or sliding-window-attention tensor is ``[num_blocks, 2, block_size,
+num_kv_heads // tp_size, head_dim]`` (this rank's heads), an MLA tensor ``[num_blocks,
+block_size, latent_dim]`` and Mamba state ``k`` ``[num_blocks, *state_shapes[k]]`` (in
+``state_dtypes[k]``); MLA latents and Mamba state are whole on every rank. The tensors of one
+group share ``num_blocks``; every tensor is contiguous and on one device.
+
+A host slot is canonical and independent of TP (``docs/internals.md``): a chunk of group ``g``
+is block-major, then the group's layers, then the group's page (its parts at their offsets), i.e.
+page ``(b, l)`` of the group at ``(b * num_layers + l) * page_bytes``. A rank copies into its
+head slice of every attention page, so ``tp_size`` ranks together fill one slot; with one
+full-attention group this is the slot viewed as ``[bpc, num_layers, 2, block_size, all_heads,
+head_dim]``.
+
+:func:`plan_copies` validates ``device_kv`` against the model and returns :class:`CopyPlans`:
+per group one :class:`CopyPlan` per page part, which hands out the views a job of that group
+copies between. Which copy routine fits a part of a job (:meth:`CopyPlan.gathers`,
+:meth:`CopyPlan.runs_contiguous`, :meth:`CopyPlan.copies_pages`) is decided here too, from the
+layout alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias, Union
 
 import torch
 
 from kvtier.errors import ConfigError
 from kvtier.host.copy_jobs import CopyJob
+from kvtier.layout import KVGeometry, torch_dtype
+from kvtier.model import KVCacheGroup, KVModel, PagePart
 
 if TYPE_CHECKING:
     from kvtier.host.slots import SlotBuffer
-    from kvtier.layout import KVGeometry
 
-__all__ = ["CopyPlan", "first_tensor"]
+__all__ = ["DeviceKV", "CopyPlan", "CopyPlans", "plan_copies", "first_tensor"]
 
-
-def _head_slice(geometry: KVGeometry, tp_rank: int) -> tuple[int, int]:
-    """(first head, head count) of ``tp_rank``'s KV heads inside a canonical page."""
-    try:
-        shard = geometry.shard(tp_rank)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    return shard.heads_start, shard.heads_count
+#: What an engine is opened with (module docstring).
+DeviceKV: TypeAlias = Union[torch.Tensor, Sequence[torch.Tensor], Mapping[str, Union[torch.Tensor, Sequence[torch.Tensor]]]]
 
 
 class CopyPlan:
-    """Validated shapes plus the tensor views one job copies between.
+    """The views one part of one group's pages is copied between, for one rank.
 
-    Built once per engine; :meth:`pairs` yields ``(host_view, device_view)`` tensor pairs for a
-    job, coalescing runs of consecutive device blocks into one copy (with the cross-layer layout a
-    run is one contiguous region on both sides when ``tp_size == 1``).
+    ``tensors`` are the group's device tensors of this part: one per layer ``[num_blocks,
+    *rank_shape]``, or one cross-layer tensor ``[num_blocks, num_layers, *rank_shape]``
+    (validated by :func:`plan_copies`). ``bpc`` is the device blocks one chunk of the group
+    copies (``KVCacheGroup.blocks_per_slot``). :meth:`pairs` yields ``(host_view, device_view)``
+    tensor pairs for a job, coalescing runs of consecutive device blocks into one copy (with the
+    cross-layer layout a run is one contiguous region on both sides when the rank's part is the
+    whole page).
     """
 
     def __init__(
         self,
-        device_kv: torch.Tensor | Sequence[torch.Tensor],
-        geometry: KVGeometry,
-        blocks_per_chunk: int,
+        tensors: Sequence[torch.Tensor],
+        part: PagePart,
+        *,
+        cross_layer: bool,
+        num_layers: int,
+        page_bytes: int,
+        blocks_per_slot: int,
         buffer: SlotBuffer,
-        tp_rank: int,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
-        if blocks_per_chunk < 1:
-            raise ConfigError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
-        self.bpc = blocks_per_chunk
-        self.num_layers = int(geometry.num_layers)
-        two, block_size, all_heads, head_dim = (int(x) for x in geometry.page_shape)
-        head_start, heads = _head_slice(geometry, tp_rank)
-        dtype = geometry.torch_dtype
-        self.dtype = dtype
-        page = (two, block_size, heads, head_dim)
-
-        if isinstance(device_kv, torch.Tensor):
-            self.cross_layer = True
-            tensors = [device_kv]
-            expected: tuple[str | int, ...] = ("num_blocks", self.num_layers, *page)
-            legend = "num_blocks, num_layers, K/V, block_size, this rank's kv heads, head_dim"
-        else:
-            self.cross_layer = False
-            tensors = list(device_kv)
-            if len(tensors) != self.num_layers:
-                raise ConfigError(
-                    f"device_kv has {len(tensors)} per-layer tensors, geometry has {self.num_layers} layers"
-                )
-            expected = ("num_blocks", *page)
-            legend = "num_blocks, K/V, block_size, this rank's kv heads, head_dim"
+        if blocks_per_slot < 1:
+            raise ConfigError(f"blocks_per_chunk must be >= 1, got {blocks_per_slot}")
         if not tensors:
             raise ConfigError("device_kv is empty")
-        num_blocks = int(tensors[0].shape[0]) if tensors[0].dim() > 0 else 0
-        device = tensors[0].device
-        for idx, t in enumerate(tensors):
-            where = "device_kv" if self.cross_layer else f"device_kv[{idx}]"
-            if not isinstance(t, torch.Tensor):
-                raise ConfigError(f"{where} is a {type(t).__name__}, expected a torch.Tensor")
-            if tuple(t.shape[1:]) != tuple(expected[1:]) or t.dim() != len(expected):
-                raise ConfigError(f"{where} has shape {tuple(t.shape)}, expected {expected} ({legend})")
-            if t.shape[0] != num_blocks:
-                raise ConfigError(f"{where} has {t.shape[0]} blocks, device_kv[0] has {num_blocks}")
-            if t.dtype != dtype:
-                raise ConfigError(f"{where} has dtype {t.dtype}, geometry says {dtype}")
-            if t.device != device:
-                raise ConfigError(f"{where} is on {t.device}, device_kv[0] is on {device}")
-            if not t.is_contiguous():
-                # Copies address blocks by offset (and the CPU engine views the bytes in place):
-                # a transposed or sliced tensor would be read and written at the wrong places.
-                raise ConfigError(
-                    f"{where} must be contiguous (strides {tuple(t.stride())} for shape {tuple(t.shape)}); "
-                    "pass the KV cache tensor itself, not a transposed or strided view of it"
-                )
-        if num_blocks < 1:
-            raise ConfigError("device_kv has no blocks")
-        self.device = device
-        self.num_blocks = num_blocks
-        self.device_kv = tensors
-
-        page_bytes = int(geometry.page_bytes)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if page_bytes != two * block_size * all_heads * head_dim * itemsize:
-            raise ConfigError(f"geometry.page_bytes {page_bytes} does not match page_shape × itemsize")
-        self.chunk_bytes = blocks_per_chunk * self.num_layers * page_bytes
-        if buffer.slot_bytes < self.chunk_bytes:
-            raise ConfigError(
-                f"host slot of {buffer.slot_bytes} bytes cannot hold a chunk of {self.chunk_bytes} bytes"
-            )
+        self.part = part
+        self.bpc = blocks_per_slot
+        self.num_layers = num_layers
+        self.cross_layer = cross_layer
+        self.device_kv = list(tensors)
+        self.device = self.device_kv[0].device
+        self.num_blocks = int(self.device_kv[0].shape[0])
+        self.dtype = torch_dtype(part.dtype)
+        self.rank_shape = part.rank_shape(tp_size)
+        itemsize = part.itemsize
+        for name, value in (("page_bytes", page_bytes), ("part offset", part.offset), ("slot_bytes", buffer.slot_bytes)):
+            if value % itemsize:
+                raise ConfigError(f"{name} {value} is not a multiple of the {part.dtype} element size {itemsize}")
         self.buffer = buffer
         self.num_slots = buffer.num_slots
-        # The whole host buffer as [num_slots, bpc, layers, 2, block_size, all_heads, head_dim]
-        # (slot stride = slot_bytes, so padding is skipped), narrowed to this rank's heads.
+        # The whole host buffer as [num_slots, bpc, layers, *part.shape] over the slots' bytes (slot
+        # stride = slot_bytes, page stride = page_bytes: padding and other parts are skipped),
+        # narrowed to this rank's share of the sharded dimension.
         host = buffer.tensor
         if host.device.type != "cpu":  # pragma: no cover - SlotBuffer always lives on the host
             raise ConfigError("host buffer must be CPU memory")
-        elems_per_slot = buffer.slot_bytes // itemsize
-        full = host.view(-1).view(dtype)
-        shape = (buffer.num_slots, blocks_per_chunk, self.num_layers, two, block_size, all_heads, head_dim)
+        full = host.view(-1).view(self.dtype)
+        shape = (buffer.num_slots, blocks_per_slot, num_layers, *part.shape)
         strides = [0] * len(shape)
         acc = 1
-        for dim in range(len(shape) - 1, 0, -1):
+        for dim in range(len(shape) - 1, 2, -1):
             strides[dim] = acc
             acc *= shape[dim]
-        strides[0] = elems_per_slot
-        self.host = full.as_strided(shape, strides)[..., head_start : head_start + heads, :]
-        # Bytes this rank moves per chunk (its head share of every page).
-        self.rank_chunk_bytes = blocks_per_chunk * self.num_layers * two * block_size * heads * head_dim * itemsize
-        #: This rank holds every head: its part of a host page is the whole page (contiguous).
-        self.whole_pages = heads == all_heads
-
-    def validate(self, job: CopyJob) -> str | None:
-        """Why ``job`` cannot run, or ``None`` when it is well formed."""
-        if job.direction not in ("to_host", "to_device"):
-            return f"unknown direction {job.direction!r}"
-        if job.layers is not None:
-            start, stop = job.layers
-            if not 0 <= start < stop <= self.num_layers:
-                return f"layers {job.layers} is not a non-empty range inside [0, {self.num_layers})"
-        if len(job.block_ids) != len(job.slot_ids) * self.bpc:
-            return (
-                f"{len(job.block_ids)} block ids for {len(job.slot_ids)} slots "
-                f"(blocks_per_chunk={self.bpc})"
-            )
-        for s in job.slot_ids:
-            if not 0 <= s < self.num_slots:
-                return f"slot id {s} out of range [0, {self.num_slots})"
-        for b in job.block_ids:
-            if not 0 <= b < self.num_blocks:
-                return f"block id {b} out of range [0, {self.num_blocks})"
-        return None
+        strides[2] = page_bytes // itemsize
+        strides[1] = num_layers * strides[2]
+        strides[0] = buffer.slot_bytes // itemsize
+        view = full.as_strided(shape, strides, part.offset // itemsize)
+        if part.shard_dim is not None:
+            count = self.rank_shape[part.shard_dim]
+            view = view.narrow(3 + part.shard_dim, tp_rank * count, count)
+        self.host = view
+        #: Bytes this rank moves per page of this part (its share of the part).
+        self.rank_page_bytes = math.prod(self.rank_shape) * itemsize
+        #: This rank's part of a host page is the whole page (contiguous): one part, not sliced.
+        self.whole_pages = self.rank_page_bytes == page_bytes
+        #: This rank's part of a host page is one contiguous range, though not the whole page (a
+        #: part of a page of several parts, whole on every rank).
+        self.contiguous_pages = not self.whole_pages and self.rank_shape == part.shape
 
     def layer_range(self, job: CopyJob) -> tuple[int, int]:
         """``(start, stop)`` of the layers ``job`` copies (all of them when ``job.layers`` is ``None``)."""
         return job.layers if job.layers is not None else (0, self.num_layers)
 
     def job_bytes(self, job: CopyJob) -> int:
-        """Bytes this rank moves for ``job`` (its head share of the pages of the job's layers)."""
+        """Bytes this rank moves for this part of ``job`` (its share of the pages of the job's layers)."""
         start, stop = self.layer_range(job)
-        return self.rank_chunk_bytes // self.num_layers * (stop - start) * len(job.slot_ids)
+        return self.rank_page_bytes * self.bpc * (stop - start) * len(job.slot_ids)
 
     def gathers(self, job: CopyJob) -> bool:
         """Whether :func:`kvtier.host.cuda_copy.copy_gathered` can move ``job``: the per-layer
-        layout at TP 1, with every chunk's part of the host slot contiguous (all layers, or one
-        block per chunk)."""
+        layout with whole pages (TP 1, or a replicated part), every chunk's part of the host slot
+        contiguous (all layers, or one block per chunk)."""
         return (not self.cross_layer and self.whole_pages
                 and (job.layers is None or self.bpc == 1 or self.layer_range(job) == (0, self.num_layers)))
 
     def runs_contiguous(self, job: CopyJob) -> bool:
         """Whether each run of consecutive blocks of ``job`` is one contiguous range on both sides
-        (the cross-layer layout at TP 1, all layers): :func:`kvtier.host.cuda_copy.copy_pairs`
+        (the cross-layer layout with whole pages, all layers): :func:`kvtier.host.cuda_copy.copy_pairs`
         then copies one range per run."""
         return self.cross_layer and self.whole_pages and self.layer_range(job) == (0, self.num_layers)
+
+    def copies_pages(self, job: CopyJob) -> bool:
+        """Whether :func:`kvtier.host.cuda_copy.copy_pairs` should move ``job`` one page at a time:
+        this rank's share of each page is one contiguous host range but the pages are strided
+        (a part of a page of several parts), so each page is a direct copy."""
+        return self.contiguous_pages
 
     def pairs(
         self,
@@ -189,15 +159,15 @@ class CopyPlan:
         *,
         block_at_a_time: bool = False,
     ) -> Iterator[tuple[Any, Any]]:
-        """``(host_view, device_view)`` pairs covering the job, in chunk order.
+        """``(host_view, device_view)`` pairs covering this part of the job, in chunk order.
 
         ``host``/``device_kv`` default to the torch views; the CPU engine passes numpy byte views
         of the same memory (indexed identically), which are far cheaper to slice.
-        ``block_at_a_time`` splits per-layer runs into single blocks, so that (at TP 1) every
-        host view is contiguous: a run of pages of one layer is strided in the host slot, and
-        torch would stage a strided device↔host copy through a pageable temporary. The same
-        holds for a run of a cross-layer job restricted to some layers (``job.layers``), while
-        one block's pages of consecutive layers are contiguous on both sides.
+        ``block_at_a_time`` splits per-layer runs into single blocks, so that (with whole or
+        contiguous pages) every host view is contiguous: a run of pages of one layer is strided in
+        the host slot, and torch would stage a strided device↔host copy through a pageable
+        temporary. The same holds for a run of a cross-layer job restricted to some layers
+        (``job.layers``), while one block's pages of consecutive layers are contiguous on both sides.
         """
         host = self.host if host is None else host
         device_kv = self.device_kv if device_kv is None else device_kv
@@ -229,14 +199,223 @@ class CopyPlan:
                         yield host_run[:, layer], device_kv[layer][start : start + n]
 
 
-def first_tensor(device_kv: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
-    """The cross-layer tensor, or the first per-layer one (whose device is every tensor's);
-    ``ConfigError`` when ``device_kv`` is empty."""
+class CopyPlans:
+    """One rank's plans for every group of ``model``: ``groups[g]`` holds one :class:`CopyPlan`
+    per part of group ``g``'s page, in page order. Built by :func:`plan_copies`."""
+
+    def __init__(self, model: KVModel, blocks_per_chunk: int, groups: Sequence[Sequence[CopyPlan]]) -> None:
+        self.model = model
+        self.blocks_per_chunk = blocks_per_chunk
+        self.groups = tuple(tuple(plans) for plans in groups)
+        self.device = self.groups[0][0].device
+        #: Device blocks of each group: a group's valid block ids are ``[0, group_blocks[g])``.
+        self.group_blocks = tuple(plans[0].num_blocks for plans in self.groups)
+
+    def validate(self, job: CopyJob) -> str | None:
+        """Why ``job`` cannot run, or ``None`` when it is well formed."""
+        if job.direction not in ("to_host", "to_device"):
+            return f"unknown direction {job.direction!r}"
+        if isinstance(job.group, bool) or not isinstance(job.group, int) or not 0 <= job.group < len(self.groups):
+            return f"group {job.group!r} is not a KV-cache group of the model (it has {len(self.groups)})"
+        plan = self.groups[job.group][0]
+        of_group = f" of group {job.group}" if len(self.groups) > 1 else ""
+        if job.layers is not None:
+            start, stop = job.layers
+            if not 0 <= start < stop <= plan.num_layers:
+                return f"layers {job.layers} is not a non-empty range inside [0, {plan.num_layers}){of_group}"
+        if len(job.block_ids) != len(job.slot_ids) * plan.bpc:
+            per_chunk = (f"blocks_per_chunk={plan.bpc}" if plan.bpc == self.blocks_per_chunk
+                         else f"group {job.group} copies {plan.bpc} block per chunk")
+            return f"{len(job.block_ids)} block ids for {len(job.slot_ids)} slots ({per_chunk})"
+        for s in job.slot_ids:
+            if not 0 <= s < plan.num_slots:
+                return f"slot id {s} out of range [0, {plan.num_slots})"
+        for b in job.block_ids:
+            if not 0 <= b < plan.num_blocks:
+                return f"block id {b} out of range [0, {plan.num_blocks}){of_group}"
+        return None
+
+    def job_bytes(self, job: CopyJob) -> int:
+        """Bytes this rank moves for ``job`` (every part of its group)."""
+        return sum(plan.job_bytes(job) for plan in self.groups[job.group])
+
+
+def plan_copies(
+    device_kv: DeviceKV,
+    model: KVModel | KVGeometry,
+    blocks_per_chunk: int,
+    buffer: SlotBuffer,
+    tp_rank: int = 0,
+) -> CopyPlans:
+    """Validate ``device_kv`` against ``model`` (module docstring) and build every group's plans.
+
+    ``ConfigError`` names what does not fit: the layer (its group index and kind), the shape got
+    and the one expected with its legend, a dtype, a block count, a device, a non-contiguous tensor,
+    layers missing from or unknown to the model, or a host slot too small for a chunk of a group.
+    """
+    model = KVModel.of(model)
+    if isinstance(blocks_per_chunk, bool) or not isinstance(blocks_per_chunk, int) or blocks_per_chunk < 1:
+        raise ConfigError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk!r}")
+    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < model.tp_size:
+        raise ConfigError(f"tp_rank must be in [0, {model.tp_size}), got {tp_rank!r}")
+    cross_layer, layer_values = _layer_values(device_kv, model)
+    # The list and cross-layer forms (one group) name tensors by position, a mapping by layer and group.
+    positional = not isinstance(device_kv, Mapping)
+    reference: tuple[str, torch.device] | None = None
+    group_tensors: list[list[list[torch.Tensor]]] = []
+    for g, (group, values) in enumerate(zip(model.groups, layer_values)):
+        parts = group.parts(model.dtype)
+        per_part: list[list[torch.Tensor]] = [[] for _ in parts]
+        first_of_group: tuple[str, int] | None = None
+        for label, value in values:
+            for k, (what, tensor) in enumerate(_split_parts(label, value, g, group, parts, cross_layer)):
+                where = what if positional else f"{what} (group {g}, {group.kind})"
+                _check_tensor(where, tensor, parts[k], group, model.tp_size, cross_layer, positional)
+                num_blocks = int(tensor.shape[0])
+                if first_of_group is None:
+                    first_of_group = (what, num_blocks)
+                elif num_blocks != first_of_group[1]:
+                    raise ConfigError(f"{where} has {num_blocks} blocks, {first_of_group[0]} has {first_of_group[1]} "
+                                      "(the tensors of a group share its blocks)")
+                if reference is None:
+                    reference = (what, tensor.device)
+                elif tensor.device != reference[1]:
+                    raise ConfigError(f"{where} is on {tensor.device}, {reference[0]} is on {reference[1]} "
+                                      "(every tensor must be on one device)")
+                per_part[k].append(tensor)
+        if first_of_group is not None and first_of_group[1] < 1:
+            raise ConfigError("device_kv has no blocks")
+        group_tensors.append(per_part)
+    for g, group in enumerate(model.groups):
+        need = model.chunk_bytes(g, blocks_per_chunk)
+        if buffer.slot_bytes < need:
+            of_group = f" of group {g} ({group.kind})" if len(model.groups) > 1 else ""
+            raise ConfigError(f"host slot of {buffer.slot_bytes} bytes cannot hold a chunk{of_group} of {need} bytes")
+    plans = [
+        [
+            CopyPlan(tensors, part, cross_layer=cross_layer, num_layers=group.num_layers,
+                     page_bytes=group.page_bytes(model.dtype), blocks_per_slot=group.blocks_per_slot(blocks_per_chunk),
+                     buffer=buffer, tp_rank=tp_rank, tp_size=model.tp_size)
+            for part, tensors in zip(group.parts(model.dtype), per_part)
+        ]
+        for group, per_part in zip(model.groups, group_tensors)
+    ]
+    return CopyPlans(model, blocks_per_chunk, plans)
+
+
+def first_tensor(device_kv: DeviceKV) -> torch.Tensor:
+    """The cross-layer tensor, or the first tensor of the first layer (whose device is every
+    tensor's); ``ConfigError`` when ``device_kv`` holds no tensor there."""
+    value: Any = device_kv
+    while not isinstance(value, torch.Tensor):
+        if isinstance(value, Mapping):
+            items = list(value.values())
+        elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+            items = list(value)
+        else:
+            raise ConfigError(f"device_kv holds a {type(value).__name__}, expected torch.Tensor values")
+        if not items:
+            raise ConfigError("device_kv is empty")
+        value = items[0]
+    return value
+
+
+# --- validation ------------------------------------------------------------------------------
+
+
+def _layer_values(device_kv: Any, model: KVModel) -> tuple[bool, list[list[tuple[str, Any]]]]:
+    """``(cross_layer, per group: (label, value) of each layer in the group's order)``."""
+    groups = model.groups
     if isinstance(device_kv, torch.Tensor):
-        return device_kv
-    for tensor in device_kv:
-        return tensor
-    raise ConfigError("device_kv is empty")
+        _need_one_group(model, "a cross-layer device_kv tensor")
+        return True, [[("device_kv", device_kv)]]
+    if isinstance(device_kv, Mapping):
+        names = [name for group in groups for name in group.layer_names]
+        known = set(names)
+        missing = [name for name in names if name not in device_kv]
+        unknown = [repr(name) for name in device_kv if name not in known]
+        if missing or unknown:
+            problems = []
+            if missing:
+                problems.append(f"missing layers of the model: {', '.join(map(repr, missing))}")
+            if unknown:
+                problems.append(f"names not in the model: {', '.join(unknown)}")
+            raise ConfigError(f"device_kv does not name the model's layers: {'; '.join(problems)}")
+        return False, [[(f"device_kv[{name!r}]", device_kv[name]) for name in group.layer_names] for group in groups]
+    if isinstance(device_kv, (str, bytes)) or not isinstance(device_kv, Sequence):
+        raise ConfigError(
+            f"device_kv is a {type(device_kv).__name__}: expected a mapping layer name -> tensor(s), "
+            "a list of per-layer tensors or a cross-layer tensor"
+        )
+    _need_one_group(model, "a list of per-layer device_kv tensors")
+    values = list(device_kv)
+    if len(values) != groups[0].num_layers:
+        raise ConfigError(f"device_kv has {len(values)} per-layer tensors, the model has {groups[0].num_layers} layers")
+    return False, [[(f"device_kv[{i}]", value) for i, value in enumerate(values)]]
+
+
+def _need_one_group(model: KVModel, form: str) -> None:
+    if len(model.groups) != 1:
+        kinds = ", ".join(group.kind for group in model.groups)
+        raise ConfigError(
+            f"{form} describes one KV-cache group, the model has {len(model.groups)} ({kinds}); "
+            "pass a mapping layer name -> tensor (a sequence of state tensors for mamba layers)"
+        )
+
+
+def _split_parts(
+    label: str, value: Any, g: int, group: KVCacheGroup, parts: Sequence[PagePart], cross_layer: bool
+) -> list[tuple[str, Any]]:
+    """``(label, tensor)`` of each part of one layer's (or the cross-layer) value."""
+    where = f"{label} (group {g}, {group.kind})"
+    if group.kind != "mamba":
+        if not isinstance(value, torch.Tensor):
+            raise ConfigError(f"{where} is a {type(value).__name__}, expected a torch.Tensor")
+        return [(label, value)]
+    if cross_layer:
+        if len(parts) != 1:
+            raise ConfigError(
+                f"{where}: a cross-layer tensor holds one state tensor per layer, the group has {len(parts)}; "
+                "pass a mapping layer name -> sequence of state tensors"
+            )
+        return [(f"{label} {parts[0].legend}", value)]
+    if isinstance(value, torch.Tensor) and len(parts) == 1:
+        tensors: list[Any] = [value]
+    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes, torch.Tensor)):
+        tensors = list(value)
+    else:
+        raise ConfigError(f"{where} is a {type(value).__name__}, expected a sequence of {len(parts)} state tensors")
+    if len(tensors) != len(parts):
+        raise ConfigError(f"{where} has {len(tensors)} state tensors, expected {len(parts)} (one per state shape)")
+    return [(f"{label} {part.legend}", tensor) for part, tensor in zip(parts, tensors)]
+
+
+def _check_tensor(where: str, tensor: Any, part: PagePart, group: KVCacheGroup, tp_size: int, cross_layer: bool,
+                  positional: bool) -> None:
+    """Shape, dtype and contiguity of one device tensor. ``positional`` (the list and cross-layer
+    forms) spells the expected shape as a tuple with a ``'num_blocks'`` entry."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ConfigError(f"{where} is a {type(tensor).__name__}, expected a torch.Tensor")
+    rank_shape = part.rank_shape(tp_size)
+    dims = ((group.num_layers,) if cross_layer else ()) + rank_shape
+    if tensor.dim() != len(dims) + 1 or tuple(tensor.shape[1:]) != dims:
+        expected = repr(("num_blocks", *dims)) if positional else f"(num_blocks, {', '.join(map(str, dims))})"
+        if group.kind != "mamba":  # a state tensor's label names it already; its dims have no names
+            names = part.legend.split(", ")
+            if part.shard_dim is not None and len(names) == len(part.shape):
+                names[part.shard_dim] = f"this rank's {names[part.shard_dim]}"
+            expected += f" ({', '.join(['num_blocks', *(['num_layers'] if cross_layer else []), *names])})"
+        raise ConfigError(f"{where} has shape {tuple(tensor.shape)}, expected {expected}")
+    dtype = torch_dtype(part.dtype)
+    if tensor.dtype != dtype:
+        raise ConfigError(f"{where} has dtype {tensor.dtype}, expected {dtype}")
+    if not tensor.is_contiguous():
+        # Copies address blocks by offset (and the CPU engine views the bytes in place):
+        # a transposed or sliced tensor would be read and written at the wrong places.
+        raise ConfigError(
+            f"{where} must be contiguous (strides {tuple(tensor.stride())} for shape {tuple(tensor.shape)}); "
+            "pass the KV cache tensor itself, not a transposed or strided view of it"
+        )
 
 
 def _runs(blocks: Sequence[int]) -> Iterator[tuple[int, int, int]]:

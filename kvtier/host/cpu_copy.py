@@ -20,11 +20,12 @@ import torch
 from kvtier.errors import ConfigError
 from kvtier.host.copy_engine import CopyEngine
 from kvtier.host.copy_jobs import CopyJob, CopyResult
-from kvtier.host.copy_plan import CopyPlan, first_tensor
+from kvtier.host.copy_plan import CopyPlan, DeviceKV, first_tensor
 
 if TYPE_CHECKING:
     from kvtier.host.slots import SlotBuffer
     from kvtier.layout import KVGeometry
+    from kvtier.model import KVModel
 
 __all__ = ["CpuCopyEngine"]
 
@@ -32,8 +33,8 @@ log = logging.getLogger(__name__)
 
 
 def _copy_pairs_numpy(plan: CopyPlan, job: CopyJob, host: np.ndarray, device_kv: Sequence[np.ndarray]) -> int:
-    """Copy every pair of :meth:`CopyPlan.pairs` with ``numpy.copyto`` between byte views of the
-    same memory; returns the bytes this rank moves.
+    """Copy every pair of :meth:`CopyPlan.pairs` (one part of the job's group) with ``numpy.copyto``
+    between byte views of the same memory; returns the bytes this rank moves for that part.
 
     ``numpy.copyto`` releases the GIL and runs on the calling thread only, so the engine's workers
     never compete with torch's intra-op thread pool on a busy host; slicing numpy views is much
@@ -59,7 +60,8 @@ class CpuCopyEngine(CopyEngine):
     Each job runs in a worker thread through ``anyio.to_thread.run_sync`` with the engine's own
     :class:`anyio.CapacityLimiter` (``max_concurrent_jobs`` threads). Copies go straight from the
     device tensors into slot views (no staging copy) with ``numpy.copyto``; runs of consecutive
-    device blocks are one copy each (one per layer with the per-layer layout).
+    device blocks are one copy each (one per layer with the per-layer layout), for each part of
+    the job's group's pages.
 
     A worker takes up to ``_MAX_JOBS_PER_HOP`` queued jobs per thread hop and reports them when
     the batch is done; a job restricted to some layers ends its batch, so a layer-wise load sees
@@ -69,8 +71,8 @@ class CpuCopyEngine(CopyEngine):
 
     def __init__(
         self,
-        device_kv: torch.Tensor | Sequence[torch.Tensor],
-        geometry: KVGeometry,
+        device_kv: DeviceKV,
+        model: KVModel | KVGeometry,
         blocks_per_chunk: int,
         buffer: SlotBuffer,
         tp_rank: int = 0,
@@ -83,12 +85,15 @@ class CpuCopyEngine(CopyEngine):
             raise ConfigError(f"CpuCopyEngine needs CPU tensors, device_kv is on {device}")
         if max_concurrent_jobs < 1:
             raise ConfigError(f"max_concurrent_jobs must be >= 1, got {max_concurrent_jobs}")
-        super().__init__(device_kv, geometry, blocks_per_chunk, buffer, tp_rank, max_queued_jobs=max_queued_jobs)
+        super().__init__(device_kv, model, blocks_per_chunk, buffer, tp_rank, max_queued_jobs=max_queued_jobs)
         self._concurrency = max_concurrent_jobs
         self._limiter = anyio.CapacityLimiter(max_concurrent_jobs)
-        # Byte views (last dim = head_dim * itemsize) of the same memory; never copies.
-        self._host_bytes = self._plan.host.view(torch.uint8).numpy()
-        self._device_bytes = [t.view(torch.uint8).numpy() for t in self._plan.device_kv]
+        # Per group, per part: the plan and byte views (last dim in bytes) of the same memory; never copies.
+        self._views: list[list[tuple[CopyPlan, np.ndarray, list[np.ndarray]]]] = [
+            [(plan, plan.host.view(torch.uint8).numpy(), [t.view(torch.uint8).numpy() for t in plan.device_kv])
+             for plan in plans]
+            for plans in self._plans.groups
+        ]
 
     async def _start_workers(self, tg: anyio.abc.TaskGroup) -> None:
         for _ in range(self._concurrency):
@@ -125,7 +130,9 @@ class CpuCopyEngine(CopyEngine):
         for job in batch:
             start = time.monotonic()
             try:
-                nbytes = _copy_pairs_numpy(self._plan, job, self._host_bytes, self._device_bytes)
+                nbytes = 0
+                for plan, host_bytes, device_bytes in self._views[job.group]:
+                    nbytes += _copy_pairs_numpy(plan, job, host_bytes, device_bytes)
             except Exception as exc:  # noqa: BLE001 - reported per job by the caller
                 outcomes.append((0, time.monotonic() - start, exc))
             else:

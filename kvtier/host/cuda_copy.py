@@ -2,7 +2,9 @@
 
 :class:`CudaCopyEngine` implements :class:`kvtier.host.copy_engine.CopyEngine` for CUDA device
 tensors and a pinned host buffer. The routines — :func:`copy_pairs`, :func:`copy_gathered`,
-:func:`copy_staged` — move one job with torch operations on the current stream; they work on CPU
+:func:`copy_staged` — move one part of one job (a :class:`~kvtier.host.copy_plan.CopyPlan`: one
+part of the pages of the job's group) with torch operations on the current stream, and
+:func:`copy_parts` moves a whole job, each part with the routine that fits it; they work on CPU
 tensors as well, which is how they are tested without a GPU.
 """
 
@@ -22,13 +24,14 @@ from kvtier.errors import ConfigError
 from kvtier.host.completions import Completions, IssuedJob
 from kvtier.host.copy_engine import CLOSE_TIMEOUT_S, CopyEngine
 from kvtier.host.copy_jobs import CopyJob, CopyOrder, CopyResult
-from kvtier.host.copy_plan import CopyPlan, first_tensor
+from kvtier.host.copy_plan import CopyPlan, DeviceKV, first_tensor
 
 if TYPE_CHECKING:
     from kvtier.host.slots import SlotBuffer
     from kvtier.layout import KVGeometry
+    from kvtier.model import KVModel
 
-__all__ = ["CudaCopyEngine", "copy_pairs", "copy_gathered", "copy_staged"]
+__all__ = ["CudaCopyEngine", "copy_pairs", "copy_gathered", "copy_staged", "copy_parts"]
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +51,13 @@ def copy_gathered(plan: CopyPlan, job: CopyJob, non_blocking: bool = False) -> i
     """Move a per-layer job (:meth:`CopyPlan.gathers`) in one contiguous copy per chunk.
 
     The job's pages are gathered on the device into a scratch laid out as the host slots are
-    (``[chunks, bpc, layers, page]``): one ``index_select`` per layer and a ``stack`` into the
-    scratch for a store, one ``index_copy_`` per layer out of it for a load. Between the scratch
-    and each host slot there is then a single contiguous DMA, instead of one small copy per page
-    (``bpc × layers`` Python calls per chunk). Device kernels are queued on the current stream
-    (the copy stream), so the scratch is reused only after them. Works on CPU tensors as well
-    (how it is tested). Returns the bytes this rank moves.
+    (``[chunks, bpc, layers, page]``, ``bpc`` the blocks one chunk of the group copies): one
+    ``index_select`` per layer and a ``stack`` into the scratch for a store, one ``index_copy_``
+    per layer out of it for a load. Between the scratch and each host slot there is then a single
+    contiguous DMA, instead of one small copy per page (``bpc × layers`` Python calls per chunk).
+    Device kernels are queued on the current stream (the copy stream), so the scratch is reused
+    only after them. Works on CPU tensors as well (how it is tested). Returns the bytes this rank
+    moves.
     """
     first, stop = plan.layer_range(job)
     blocks = torch.as_tensor(list(job.block_ids), dtype=torch.long)
@@ -86,8 +90,8 @@ def copy_staged(
     would add for a strided host copy, and without a call per page.
 
     The rank's part of the job is gathered on the device into a contiguous scratch
-    (``[blocks, layers, K/V, block_size, rank heads, head_dim]``) and moved in one DMA to or from
-    a contiguous pinned staging buffer; the CPU does the strided part. A load fills the staging
+    (``[blocks, layers, *rank_shape]``; for attention K/V, block_size, rank heads, head_dim) and
+    moved in one DMA to or from a contiguous pinned staging buffer; the CPU does the strided part. A load fills the staging
     from the host slots first (CPU work, no wait for the device), then copies and scatters into
     the device blocks. A store's bytes reach the host slots only once the DMA has finished: the
     returned ``finish`` does that and must be called after the job's completion event (the
@@ -98,7 +102,7 @@ def copy_staged(
     blocks = torch.as_tensor(list(job.block_ids), dtype=torch.long)
     if on_cuda:
         blocks = blocks.pin_memory().to(plan.device, non_blocking=non_blocking)
-    page = tuple(plan.device_kv[0].shape[-4:])  # K/V, block_size, rank heads, head_dim
+    page = plan.rank_shape  # e.g. K/V, block_size, rank heads, head_dim
     chunks = len(job.slot_ids)
     shape = (chunks, plan.bpc, stop - first, *page)
     staging = torch.empty(shape, dtype=plan.dtype, pin_memory=on_cuda)
@@ -125,6 +129,37 @@ def copy_staged(
     return plan.job_bytes(job), finish
 
 
+def copy_parts(
+    plans: Sequence[CopyPlan], job: CopyJob, non_blocking: bool = False
+) -> tuple[int, Callable[[], None] | None]:
+    """Move every part of ``job`` (``plans``: its group's plans, one per page part) with the routine
+    that fits the part, as the CUDA engine issues a job; returns the bytes this rank moves and the
+    ``finish`` a store's staged parts need after the DMA (``None`` when there is none, see
+    :func:`copy_staged`)."""
+    nbytes = 0
+    finishes: list[Callable[[], None]] = []
+    for plan in plans:
+        if plan.gathers(job):
+            nbytes += copy_gathered(plan, job, non_blocking=non_blocking)
+        elif plan.runs_contiguous(job) or plan.copies_pages(job):
+            nbytes += copy_pairs(plan, job, non_blocking=non_blocking)
+        else:
+            moved, finish = copy_staged(plan, job, non_blocking=non_blocking)
+            nbytes += moved
+            if finish is not None:
+                finishes.append(finish)
+    if not finishes:
+        return nbytes, None
+    if len(finishes) == 1:
+        return nbytes, finishes[0]
+
+    def finish_all() -> None:
+        for finish in finishes:
+            finish()
+
+    return nbytes, finish_all
+
+
 class CudaCopyEngine(CopyEngine):
     """Copy engine for CUDA device tensors and a pinned host buffer.
 
@@ -144,19 +179,22 @@ class CudaCopyEngine(CopyEngine):
     do not finish within the close timeout, :attr:`fenced` is False and the engine's owner must
     not release the host buffer (``kvtier.Engine`` then keeps it, and says so).
 
-    Copy granularity, never one Python call per page: cross-layer at TP 1 (all layers) copies each
-    run of consecutive blocks in one DMA; per-layer at TP 1 gathers the job's pages on the device
-    and copies each chunk in one DMA (:func:`copy_gathered`). Everything else — a TP > 1 rank,
-    whose heads are strided inside each host page, or a layer group of a multi-block chunk, strided
-    in its slot — is gathered on the device and moved through a contiguous pinned staging buffer
-    (:func:`copy_staged`), the CPU doing the strided part: for a store after the DMA, on the
-    completion thread, before the job is reported.
+    A job copies every part of its group's pages, each with the routine that fits that part.
+    Copy granularity, never one Python call per page of a whole-page part: cross-layer with whole
+    pages (TP 1, or a replicated MLA group; all layers) copies each run of consecutive blocks in one
+    DMA; per-layer with whole pages gathers the job's pages on the device and copies each chunk in
+    one DMA (:func:`copy_gathered`). A part of a page of several parts (Mamba state tensors) is
+    one contiguous range per page: copied page by page (:func:`copy_pairs`, one direct DMA each).
+    Everything else — a TP > 1 rank, whose heads are strided inside each host page, or a layer
+    group of a multi-block chunk, strided in its slot — is gathered on the device and moved
+    through a contiguous pinned staging buffer (:func:`copy_staged`), the CPU doing the strided
+    part: for a store after the DMA, on the completion thread, before the job is reported.
     """
 
     def __init__(
         self,
-        device_kv: torch.Tensor | Sequence[torch.Tensor],
-        geometry: KVGeometry,
+        device_kv: DeviceKV,
+        model: KVModel | KVGeometry,
         blocks_per_chunk: int,
         buffer: SlotBuffer,
         tp_rank: int = 0,
@@ -171,8 +209,8 @@ class CudaCopyEngine(CopyEngine):
             raise ConfigError(f"CudaCopyEngine needs CUDA tensors, device_kv is on {device}")
         if not buffer.pinned:
             raise ConfigError("CudaCopyEngine needs a pinned host buffer (SlotBuffer(pin_memory=True))")
-        super().__init__(device_kv, geometry, blocks_per_chunk, buffer, tp_rank, max_queued_jobs=max_queued_jobs)
-        self._cuda_device = self._plan.device
+        super().__init__(device_kv, model, blocks_per_chunk, buffer, tp_rank, max_queued_jobs=max_queued_jobs)
+        self._cuda_device = self._plans.device
         # Every CUDA object is created here, after the availability check.
         self._streams = {
             "to_host": torch.cuda.Stream(device=self._cuda_device),
@@ -223,14 +261,8 @@ class CudaCopyEngine(CopyEngine):
             stream.wait_event(ready)
             started = torch.cuda.Event(enable_timing=True)
             started.record(stream)
-            finish = None
             try:
-                if self._plan.gathers(job):
-                    nbytes = copy_gathered(self._plan, job, non_blocking=True)
-                elif self._plan.runs_contiguous(job):
-                    nbytes = copy_pairs(self._plan, job, non_blocking=True)
-                else:
-                    nbytes, finish = copy_staged(self._plan, job, non_blocking=True)
+                nbytes, finish = copy_parts(self._plans.groups[job.group], job, non_blocking=True)
             except BaseException:
                 fence = torch.cuda.Event()
                 fence.record(stream)

@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from kvtier.config import TierConfig
     from kvtier.host.slots import SlotBuffer
     from kvtier.layout import KVGeometry
+    from kvtier.model import KVModel
 
 __all__ = [
     "TierError", "ChunkNotFound", "ChunkCorrupt", "TierIOError", "failure_reason", "TierContext",
@@ -91,7 +92,7 @@ class TierContext:
     label: str  # "1:fs"
     slot_bytes: int
     host: SlotBuffer | None  # .view(slot_id); None only in pure-lookup tests
-    geometry: KVGeometry | None
+    geometry: KVGeometry | KVModel | None  # the model's KV cache (a geometry: one group)
     blocks_per_chunk: int
     run_fields: Mapping[str, Any]  # for layout.namespace(); includes blocks_per_file
     rank: int = 0

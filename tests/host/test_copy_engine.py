@@ -17,7 +17,7 @@ import torch
 from kvtier.errors import ConfigError
 from kvtier.host.copy_factory import make_copy_engine
 from kvtier.host.copy_jobs import CopyJob, CopyResult
-from kvtier.host.copy_plan import CopyPlan
+from kvtier.host.copy_plan import CopyPlan, plan_copies
 from kvtier.host.cpu_copy import CpuCopyEngine, _copy_pairs_numpy
 from kvtier.host.cuda_copy import CudaCopyEngine, copy_gathered, copy_pairs, copy_staged
 from kvtier.host.slots import SlotBuffer
@@ -46,6 +46,12 @@ def random_kv(
         torch.randn((NUM_BLOCKS, *page), generator=gen).to(geo.torch_dtype).to(device)
         for _ in range(geo.num_layers)
     ]
+
+
+def single_plan(device_kv, geo: KVGeometry, bpc: int, buffer: SlotBuffer, tp_rank: int = 0) -> CopyPlan:
+    """The plan of the one part of a one-group model's pages (what the engines copy through)."""
+    [[plan]] = plan_copies(device_kv, geo, bpc, buffer, tp_rank).groups
+    return plan
 
 
 def block(kv: torch.Tensor | Sequence[torch.Tensor], b: int) -> torch.Tensor:
@@ -287,14 +293,14 @@ def test_torch_copy_path_of_the_cuda_engine_matches_the_cpu_engine(cross_layer: 
     blocks = [3, 4, 5, 9, 0, 1, 2, 15]
     buffers = [SlotBuffer(3, geo.slot_bytes(bpc), pin_memory=False) for _ in range(2)]
     rank = tp_size - 1
-    numpy_plan = CopyPlan(kv, geo, bpc, buffers[0], rank)
+    numpy_plan = single_plan(kv, geo, bpc, buffers[0], rank)
     host_bytes = numpy_plan.host.view(torch.uint8).numpy()
     device_bytes = [t.view(torch.uint8).numpy() for t in numpy_plan.device_kv]
     _copy_pairs_numpy(numpy_plan, CopyJob(0, "to_host", [2, 0], blocks), host_bytes, device_bytes)
-    copy_pairs(CopyPlan(kv, geo, bpc, buffers[1], rank), CopyJob(0, "to_host", [2, 0], blocks), non_blocking=True)
+    copy_pairs(single_plan(kv, geo, bpc, buffers[1], rank), CopyJob(0, "to_host", [2, 0], blocks), non_blocking=True)
     assert torch.equal(buffers[0].tensor, buffers[1].tensor)
     dst = random_kv(geo, cross_layer, seed=6)
-    load_plan = CopyPlan(dst, geo, bpc, buffers[1], rank)
+    load_plan = single_plan(dst, geo, bpc, buffers[1], rank)
     copy_pairs(load_plan, CopyJob(1, "to_device", [2, 0], blocks), non_blocking=True)
     for b in blocks:
         assert torch.equal(block(dst, b).view(torch.int16), block(kv, b).view(torch.int16))
@@ -334,14 +340,14 @@ def test_torch_copy_path_of_a_layer_range_matches_the_numpy_path(cross_layer: bo
     src = random_kv(geo, cross_layer, seed=7)
     buffer = SlotBuffer(2, geo.slot_bytes(bpc), pin_memory=False)
     blocks = [3, 4, 5, 9]
-    plan = CopyPlan(src, geo, bpc, buffer, 0)
+    plan = single_plan(src, geo, bpc, buffer, 0)
     host_bytes = plan.host.view(torch.uint8).numpy()
     device_bytes = [t.view(torch.uint8).numpy() for t in plan.device_kv]
     _copy_pairs_numpy(plan, CopyJob(0, "to_host", [1], blocks), host_bytes, device_bytes)
     torch_dst, numpy_dst = random_kv(geo, cross_layer, seed=8), random_kv(geo, cross_layer, seed=8)
     job = CopyJob(1, "to_device", [1], [0, 1, 2, 12], layers=(2, 4))
-    assert copy_pairs(CopyPlan(torch_dst, geo, bpc, buffer, 0), job, non_blocking=True) == geo.chunk_bytes(bpc) // 2
-    numpy_plan = CopyPlan(numpy_dst, geo, bpc, buffer, 0)
+    assert copy_pairs(single_plan(torch_dst, geo, bpc, buffer, 0), job, non_blocking=True) == geo.chunk_bytes(bpc) // 2
+    numpy_plan = single_plan(numpy_dst, geo, bpc, buffer, 0)
     _copy_pairs_numpy(numpy_plan, job, host_bytes, [t.view(torch.uint8).numpy() for t in numpy_plan.device_kv])
     for b in range(NUM_BLOCKS):
         assert torch.equal(block(torch_dst, b).view(torch.int16), block(numpy_dst, b).view(torch.int16))
@@ -443,10 +449,10 @@ def test_gathered_copies_move_the_same_bytes_as_page_copies(bpc: int, layers: tu
         buffer = SlotBuffer(4, geo.slot_bytes(bpc), pin_memory=False)
         target = [torch.zeros_like(t) for t in source]
         try:
-            plan = CopyPlan(source, geo, bpc, buffer, 0)
+            plan = single_plan(source, geo, bpc, buffer, 0)
             assert plan.gathers(job)
             copy(plan, job)
-            back = CopyPlan(target, geo, bpc, buffer, 0)
+            back = single_plan(target, geo, bpc, buffer, 0)
             load = CopyJob(2, "to_device", [3, 1], list(reversed(blocks)), layers=layers)
             copy(back, load)
             outcomes.append((buffer.array.copy(), [t.clone() for t in target]))
@@ -469,7 +475,7 @@ def test_each_job_takes_the_copy_path_that_fits_its_layout() -> None:
             else [torch.zeros((8, 2, 4, heads, 8), dtype=torch.float16) for _ in range(4)])
         buffer = SlotBuffer(2, geo.slot_bytes(bpc), pin_memory=False)
         buffers.append(buffer)
-        return CopyPlan(kv, geo, bpc, buffer, 0)
+        return single_plan(kv, geo, bpc, buffer, 0)
 
     buffers: list[SlotBuffer] = []
     whole, group = CopyJob(1, "to_host", [0], [0, 1]), CopyJob(1, "to_host", [0], [0, 1], layers=(1, 2))
@@ -519,8 +525,8 @@ def test_staged_copies_of_a_tp_rank_move_the_same_bytes_as_page_copies(
         buffer.array[:] = 0xAB  # other ranks' heads (and other layers): must stay untouched
         target = kv(False)
         try:
-            plan = CopyPlan(source, geo, bpc, buffer, tp_rank)
-            back = CopyPlan(target, geo, bpc, buffer, tp_rank)
+            plan = single_plan(source, geo, bpc, buffer, tp_rank)
+            back = single_plan(target, geo, bpc, buffer, tp_rank)
             store = CopyJob(1, "to_host", [2, 0], blocks, layers=layers)
             load = CopyJob(2, "to_device", [2, 0], list(reversed(blocks)), layers=layers)
             if staged:

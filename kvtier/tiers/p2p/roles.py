@@ -18,6 +18,7 @@ import anyio.abc
 from kvtier.config.tiers import tier_option
 from kvtier.context import RequestContext
 from kvtier.layout import run_fingerprint
+from kvtier.model import KVModel
 from kvtier.stats import MetricFamily
 from kvtier.tiers.jobs import JobHandle, TransferJob
 from kvtier.tiers.p2p import protocol as p
@@ -109,10 +110,18 @@ def fingerprint(context: TierContext) -> str:
     same slot size: a peer whose pages hold other shapes must not pass.
     """
     fields: dict[str, Any] = dict(context.run_fields)
-    geometry = context.geometry
-    if geometry is not None:
-        fields["kvtier_page_shape"] = list(geometry.page_shape)
-        fields["kvtier_chunk_bytes"] = geometry.chunk_bytes(context.blocks_per_chunk)
+    if context.geometry is not None:
+        model = KVModel.of(context.geometry)
+        bpc = context.blocks_per_chunk
+        if model.hybrid:  # every group's page parts, and its chunk size
+            fields["kvtier_groups"] = [
+                {"parts": [[list(part.shape), part.dtype, part.offset] for part in group.parts(model.dtype)],
+                 "chunk_bytes": model.chunk_bytes(g, bpc)}
+                for g, group in enumerate(model.groups)
+            ]
+        else:
+            fields["kvtier_page_shape"] = list(model.groups[0].parts(model.dtype)[0].shape)
+            fields["kvtier_chunk_bytes"] = model.chunk_bytes(0, bpc)
     return run_fingerprint(fields).hex()[:16] if fields else ""
 
 

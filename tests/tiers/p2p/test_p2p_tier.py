@@ -209,6 +209,21 @@ def test_several_fetches_at_once(pair: tuple[Peer, Peer]) -> None:
         second.close()
 
 
+def test_a_hybrid_model_moves_every_group_between_peers() -> None:
+    """Full-attention, sliding-window and state chunks of one prompt go from producer to consumer;
+    the consumer's device holds exactly what each group needs (``ok``)."""
+    producer = Peer("producer-hybrid", [p2p(free_port())], hybrid=True)
+    consumer = Peer("consumer-hybrid", [p2p(free_port(), load_timeout_s=10)], hybrid=True)
+    try:
+        assert producer.call("store", prompt=30, tokens=TOKENS, params=decoder("hy-1"))["stored"] == TOKENS
+        got = consumer.call("load", prompt=30, tokens=TOKENS, params=prefiller(producer, "hy-1"))
+        assert got["loaded"] == TOKENS and got["ok"], diagnosis(f"load: {got}", producer, consumer)
+        assert no_pins(producer.wait_stats(no_pins))
+    finally:
+        consumer.close()
+        producer.close()
+
+
 def test_symmetric_sharing_promotes_from_the_producers_fs_tier(tmp_path: Path) -> None:
     producer = Peer("producer-fs", [p2p(free_port()), {"type": "fs", "root_dir": str(tmp_path / "p")}])
     consumer = Peer("consumer-fs", [p2p(free_port(), lookup_timeout_s=10)])
