@@ -9,6 +9,12 @@ Comma-separated lists (``--conversations``, ``--strategies``) refuse empty items
 given twice. The fs tier's per-run directories are created (``kvtier-bench-*``) under
 ``--fs-root`` or the system's temporary directory and removed after their run, unless
 ``--keep-fs-dirs``; nothing else there is ever removed.
+
+``--model hybrid`` serves a miniature hybrid model (full attention, sliding-window attention and
+a recurrent layer: ``kvtier.bench.hybrid``) and, for every strategy, its full-attention twin
+(``<strategy>/twin``); the report sets the bytes each loaded per hit token, and their TTFTs,
+side by side. Its device pool has no prefix cache, so ``--device-conversations`` and
+``--layerwise`` do not apply to it.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import Any, TextIO
 
 from kvtier.ops.cli_args import CliParser, exit_codes_epilog
 
-__all__ = ["run_bench_cli", "build_parser", "summarize", "QUICK", "FULL", "AGREEMENT"]
+__all__ = ["run_bench_cli", "build_parser", "summarize", "QUICK", "FULL", "QUICK_HYBRID", "FULL_HYBRID", "AGREEMENT"]
 
 #: Workload and sweep of ``--quick`` (CI: well under a minute on 2 cores) ...
 QUICK: dict[str, Any] = {
@@ -40,6 +46,16 @@ QUICK: dict[str, Any] = {
 FULL: dict[str, Any] = {
     "system_tokens": 128, "first_prompt_tokens": 512, "turn_tokens": 128, "rounds": 4,
     "conversations": (1, 2, 4, 8, 12), "check": "sample",
+}
+#: Workload and sweep of ``--model hybrid --quick`` (each strategy runs twice: hybrid and twin) ...
+QUICK_HYBRID: dict[str, Any] = {
+    "system_tokens": 64, "first_prompt_tokens": 256, "turn_tokens": 64, "rounds": 3,
+    "conversations": (2, 4), "check": "all",
+}
+#: ... and of ``--model hybrid``.
+FULL_HYBRID: dict[str, Any] = {
+    "system_tokens": 128, "first_prompt_tokens": 512, "turn_tokens": 128, "rounds": 4,
+    "conversations": (1, 2, 4, 8), "check": "sample",
 }
 #: Default tier sizes, in conversations' working sets: the sweeps straddle both.
 DEVICE_CONVERSATIONS = 3.0
@@ -117,8 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
             2: "usage error (bad arguments or configuration)",
         }),
     )
+    p.add_argument("--model", choices=("dense", "hybrid"), default="dense",
+                   help="dense: a 4-layer transformer (default); hybrid: full + sliding-window attention + a "
+                   "recurrent layer, each strategy also run on its full-attention twin ('<strategy>/twin')")
     p.add_argument("--quick", action="store_true",
-                   help="small sweep for CI (2, 4, 8 conversations; about 100 s on a busy 2-core VM)")
+                   help="small sweep for CI (2, 4, 8 conversations, about 100 s on a busy 2-core VM; "
+                   "with --model hybrid 2, 4 conversations of shorter prompts, about 20 s)")
     p.add_argument("--strategies", type=_comma_list, default="recompute,cpu,cpu+fs",
                    help="comma-separated built-in strategies: recompute, cpu, cpu+fs (default: all)")
     p.add_argument("--config", action="append", default=[], metavar="FILE.json",
@@ -179,12 +199,17 @@ def run_bench_cli(argv: Sequence[str], stdout: TextIO | None = None) -> int:
 def _make_plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
     import torch
 
+    from kvtier.bench.hybrid import HybridConfig
     from kvtier.bench.model import ModelConfig
-    from kvtier.bench.runner import BenchPlan, Strategy, builtin_strategies, default_capacities
+    from kvtier.bench.runner import BenchPlan, Strategy, builtin_strategies, default_capacities, hybrid_capacities
     from kvtier.bench.workload import WorkloadSpec
 
-    preset = QUICK if args.quick else FULL
-    model = ModelConfig(seed=args.seed)
+    hybrid = args.model == "hybrid"
+    if hybrid:
+        preset = QUICK_HYBRID if args.quick else FULL_HYBRID
+    else:
+        preset = QUICK if args.quick else FULL
+    model: ModelConfig | HybridConfig = HybridConfig(seed=args.seed) if hybrid else ModelConfig(seed=args.seed)
     workload = WorkloadSpec(
         system_tokens=args.system_tokens or preset["system_tokens"],
         first_prompt_tokens=args.prompt_tokens or preset["first_prompt_tokens"],
@@ -203,6 +228,10 @@ def _make_plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         strategies.append(_load_config_strategy(path, {s.name for s in strategies}))
     if not strategies:
         raise ValueError("no strategy to run")
+    if args.layerwise and hybrid:
+        raise ValueError("--layerwise: not available with --model hybrid")
+    if hybrid:
+        strategies += [s.with_twin() for s in strategies]
     if args.layerwise:
         layerwise = [s.with_layerwise() for s in strategies if s.config is not None]
         if not layerwise:
@@ -218,8 +247,12 @@ def _make_plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         raise ValueError("--device cuda: CUDA is not available")
     if device != "cpu" and not device.startswith("cuda"):
         raise ValueError(f"--device must be auto, cpu or cuda[:N], got {device!r}")
-    device_blocks, host_bytes = default_capacities(model, workload, args.device_conversations,
-                                                   args.host_conversations)
+    twin_host_bytes = None
+    if isinstance(model, HybridConfig):
+        device_blocks, host_bytes, twin_host_bytes = hybrid_capacities(model, workload, args.host_conversations)
+    else:
+        device_blocks, host_bytes = default_capacities(model, workload, args.device_conversations,
+                                                       args.host_conversations)
     plan = BenchPlan(
         model=model,
         workload=workload,
@@ -232,6 +265,7 @@ def _make_plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         device=device,
         repeats=args.repeats,
         keep_fs_dirs=args.keep_fs_dirs,
+        twin_host_bytes=twin_host_bytes,
     )
     describe = {
         "workload": (
@@ -253,6 +287,14 @@ def _make_plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         }[plan.check],
         "repeats": plan.repeats,
     }
+    if hybrid:
+        describe["device_tokens"] = None
+        describe["twin_host_bytes"] = twin_host_bytes
+        describe["tiers"] = (
+            f"device: no prefix cache (every request loads from kvtier or recomputes), "
+            f"host {host_bytes / 2**20:.1f} MiB for the hybrid model and {(twin_host_bytes or 0) / 2**20:.1f} MiB "
+            f"for its twin (~{args.host_conversations} conversations each), fs unbounded ({describe['fs_root']})"
+        )
     return plan, describe
 
 
@@ -318,6 +360,7 @@ def _run(args: argparse.Namespace, plan: Any, describe: dict[str, Any], out: Tex
     import torch
 
     import kvtier
+    from kvtier.bench.hybrid import HybridDecoder
     from kvtier.bench.model import TinyDecoder
     from kvtier.bench.report import (
         Progress,
@@ -327,6 +370,8 @@ def _run(args: argparse.Namespace, plan: Any, describe: dict[str, Any], out: Tex
         header_lines,
         layerwise_comparison,
         layerwise_lines,
+        twin_comparison,
+        twin_lines,
         write_chart,
         write_json,
     )
@@ -349,7 +394,8 @@ def _run(args: argparse.Namespace, plan: Any, describe: dict[str, Any], out: Tex
     started = time.perf_counter()
     try:
         torch.set_num_threads(threads)
-        model = TinyDecoder(plan.model, device=plan.device)
+        model = (HybridDecoder(plan.model, device=plan.device) if plan.hybrid
+                 else TinyDecoder(plan.model, device=plan.device))
         # As vLLM's engine core does once started: what is alive now (torch, the model) is left out
         # of every later collection, so a full one (~70 ms with torch imported) cannot land inside
         # one strategy's request and be measured as its latency.
@@ -368,13 +414,16 @@ def _run(args: argparse.Namespace, plan: Any, describe: dict[str, Any], out: Tex
         kvtier_logger.setLevel(previous_level)
     progress.close()
     total_s = time.perf_counter() - started
-    print(format_table(results), file=out)
+    print(format_table(results, bytes_per_hit_token=plan.hybrid), file=out)
     checked = sum(r.checked_requests * r.repeats for r in results)
     requests = sum(r.requests * r.repeats for r in results)
     max_error = max((r.max_logit_error for r in results), default=0.0)
     print(f"logits check: {checked} of {requests} requests match a full recompute "
           f"(max |error| {max_error:.2g}); total {total_s:.1f}s", file=out)
-    summary = summarize(results, plan.conversations)
+    summary = summarize([r for r in results if not plan.hybrid or r.strategy in plain_names(plan)], plan.conversations)
+    if plan.hybrid:
+        summary["hybrid_vs_twin"] = twin_comparison(results)
+        summary["lines"] += twin_lines(summary["hybrid_vs_twin"])
     if args.layerwise:
         summary["layerwise"] = layerwise_comparison(results)
         summary["lines"] += layerwise_lines(summary["layerwise"])
@@ -388,8 +437,14 @@ def _run(args: argparse.Namespace, plan: Any, describe: dict[str, Any], out: Tex
                 print(f"  {path}", file=out)
         else:
             print("--keep-fs-dirs: no strategy had an fs tier in a fresh directory; nothing kept", file=out)
-    device_tokens, host_tokens = capacity_tokens(plan.model, plan.device_blocks, plan.host_bytes)
-    markers = capacity_markers(workload, plan.conversations, device_tokens, host_tokens)
+    if plan.hybrid:
+        # No device prefix cache: only the host tier runs out (sized as hybrid_capacities does).
+        slot = plan.model.kv_model().slot_bytes(1)
+        host_tokens = plan.host_bytes // slot // len(plan.model.groups()) * plan.model.block_size
+        markers = [m for m in capacity_markers(workload, plan.conversations, 0, host_tokens) if m["tier"] == "host"]
+    else:
+        device_tokens, host_tokens = capacity_tokens(plan.model, plan.device_blocks, plan.host_bytes)
+        markers = capacity_markers(workload, plan.conversations, device_tokens, host_tokens)
     document = {
         "kvtier_version": kvtier.__version__,
         "machine": machine,
@@ -404,6 +459,7 @@ def _run(args: argparse.Namespace, plan: Any, describe: dict[str, Any], out: Tex
             "host_tokens": host_tokens,
             "host_conversations": describe["host_conversations"],
             "fs_root": describe["fs_root"],
+            **({"twin_host_bytes": plan.twin_host_bytes} if plan.hybrid else {}),
         },
         "strategies": {s.name: (dict(s.config) if s.config is not None else None) for s in plan.strategies},
         "logits_check": {"mode": plan.check, "description": describe["check"], "checked_requests": checked,
@@ -417,11 +473,21 @@ def _run(args: argparse.Namespace, plan: Any, describe: dict[str, Any], out: Tex
     write_json(args.output, document)
     print(f"results: {args.output}", file=out)
     chart = args.chart or str(Path(args.output).with_suffix(".png"))
-    title = (f"kvtier bench{' --quick' if args.quick else ''}: {plan.model.num_layers}-layer toy decoder, "
-             f"{workload.rounds + 1} turns per conversation")
+    if plan.hybrid:
+        title = (f"kvtier bench --model hybrid{' --quick' if args.quick else ''}: {plan.model.num_layers}-layer toy "
+                 f"hybrid (window {plan.model.window}) and its\nfull-attention twin (dashed), "
+                 f"{workload.rounds + 1} turns per conversation")
+    else:
+        title = (f"kvtier bench{' --quick' if args.quick else ''}: {plan.model.num_layers}-layer toy decoder, "
+                 f"{workload.rounds + 1} turns per conversation")
     skipped = write_chart(chart, results, title, markers=markers)
     print(skipped or f"chart: {chart}", file=out)
     return 0
+
+
+def plain_names(plan: Any) -> set[str]:
+    """Names of the strategies that serve the plan's own model (not its full-attention twin)."""
+    return {s.name for s in plan.strategies if not s.twin}
 
 
 def summarize(results: Sequence[Any], sweep: Sequence[int]) -> dict[str, Any]:

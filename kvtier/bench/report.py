@@ -1,4 +1,8 @@
-"""What the bench prints and writes: header, progress bar, table, JSON document and chart."""
+"""What the bench prints and writes: header, progress bar, table, JSON document and chart.
+
+For a hybrid model the table has a bytes-per-hit-token column and :func:`twin_comparison` sets
+each strategy's row beside its full-attention twin's (``<strategy>/twin``).
+"""
 
 from __future__ import annotations
 
@@ -10,8 +14,9 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
+from kvtier.bench.hybrid import HybridConfig
 from kvtier.bench.model import LLAMA_8B_FLOPS_PER_TOKEN, LLAMA_8B_KV_BYTES_PER_TOKEN, ModelConfig
-from kvtier.bench.runner import DEVICE_LABEL, LAYERWISE_SUFFIX, RECOMPUTE_LABEL, RunResult
+from kvtier.bench.runner import DEVICE_LABEL, LAYERWISE_SUFFIX, RECOMPUTE_LABEL, TWIN_SUFFIX, RunResult
 
 __all__ = [
     "Progress",
@@ -21,6 +26,8 @@ __all__ = [
     "format_table",
     "layerwise_comparison",
     "layerwise_lines",
+    "twin_comparison",
+    "twin_lines",
     "write_json",
     "write_chart",
 ]
@@ -81,8 +88,13 @@ def describe_machine(device: str, threads: int) -> dict[str, Any]:
     return info
 
 
-def describe_model(model: ModelConfig, mean_context: float) -> dict[str, Any]:
-    """FLOPs and KV bytes per token, and how their ratio compares with Llama-3.1-8B's."""
+def describe_model(model: ModelConfig | HybridConfig, mean_context: float) -> dict[str, Any]:
+    """FLOPs and KV bytes per token, and how their ratio compares with Llama-3.1-8B's.
+
+    A hybrid model (``"kind": "hybrid"``) is described with its full-attention twin instead.
+    """
+    if isinstance(model, HybridConfig):
+        return _describe_hybrid(model, mean_context)
     flops = model.flops_per_token(int(mean_context))
     kv = model.kv_bytes_per_token
     ratio = flops / kv
@@ -98,13 +110,69 @@ def describe_model(model: ModelConfig, mean_context: float) -> dict[str, Any]:
     }
 
 
+def _describe_hybrid(model: HybridConfig, mean_context: float) -> dict[str, Any]:
+    twin = model.twin()
+    context = int(mean_context)
+    # KV a load of `context` tokens copies: full layers every token, sliding layers the window
+    # (rounded out to whole blocks), the recurrent layer one state.
+    window_tokens = min(context, -(-model.window // model.block_size) * model.block_size + model.block_size)
+    per_layer = model.attention_bytes_per_token
+    loaded = (model.layer_kinds.count("full") * context + model.layer_kinds.count("sliding") * window_tokens) * per_layer
+    loaded += model.layer_kinds.count("recurrent") * model.state_bytes
+    return {
+        "kind": "hybrid",
+        "config": {**model.__dict__, "layer_kinds": list(model.layer_kinds)},
+        "mean_context_tokens": mean_context,
+        "flops_per_token": model.flops_per_token(context),
+        "twin_flops_per_token": twin.flops_per_token(context),
+        "attention_bytes_per_token_per_layer": per_layer,
+        "state_bytes_per_layer": model.state_bytes,
+        "kv_bytes_per_token": model.kv_bytes_per_token(),
+        "twin_kv_bytes_per_token": twin.kv_bytes_per_token(),
+        "kv_bytes_at_mean_context": loaded,
+        "twin_kv_bytes_at_mean_context": twin.kv_bytes_per_token() * context,
+    }
+
+
+def _hybrid_model_lines(m: Mapping[str, Any]) -> list[str]:
+    cfg = m["config"]
+    kinds = cfg["layer_kinds"]
+    counts = ", ".join(f"{kinds.count(k)} {k}" for k in ("full", "sliding", "recurrent") if k in kinds)
+    context = m["mean_context_tokens"]
+    return [
+        f"model: hybrid, {len(kinds)} layers ({counts}: {' '.join(kinds)}), hidden {cfg['hidden_size']}, "
+        f"{cfg['num_heads']} heads ({cfg['num_kv_heads']} KV) x {cfg['head_dim']}, window {cfg['window']} tokens, "
+        f"recurrent state {m['state_bytes_per_layer'] / 1024:.1f} KiB, MLP {cfg['intermediate_size']}, "
+        f"{cfg['dtype']}, block {cfg['block_size']} tokens",
+        f"  {m['flops_per_token'] / 1e6:.1f} MFLOPs/token; KV of a {context:.0f}-token prefix "
+        f"{m['kv_bytes_at_mean_context'] / 1024:.0f} KiB (full layers {m['kv_bytes_per_token'] / 1024:.1f} KiB/token, "
+        f"sliding layers the window, recurrent layer one state)",
+        f"  full-attention twin (every layer full attention, same sizes): {m['twin_flops_per_token'] / 1e6:.1f} "
+        f"MFLOPs/token, {m['twin_kv_bytes_per_token'] / 1024:.1f} KiB KV/token, "
+        f"{m['twin_kv_bytes_at_mean_context'] / 1024:.0f} KiB for the same prefix",
+    ]
+
+
 def header_lines(model_info: Mapping[str, Any], machine: Mapping[str, Any], plan_info: Mapping[str, Any]) -> list[str]:
+    """The lines printed before the table: machine, model, workload, tiers and the check."""
     m = model_info
     cfg = m["config"]
+    machine_line = (f"machine: {machine['platform']}, {machine['cpu_count']} CPUs, torch {machine['torch']} "
+                    f"({machine['torch_threads']} threads), device {machine['device']}")
+    if m.get("kind") == "hybrid":
+        return [
+            "kvtier bench --model hybrid: multi-turn chat prefill on a hybrid model and its full-attention twin",
+            machine_line,
+            *_hybrid_model_lines(m),
+            f"workload: {plan_info['workload']}",
+            f"tiers: {plan_info['tiers']}",
+            f"logits check: {plan_info['check']}",
+        ] + ([
+            f"repeats: {plan_info['repeats']} cold runs of every point, interleaved; tok/s and TTFT are medians"
+        ] if plan_info.get("repeats", 1) > 1 else [])
     return [
         "kvtier bench: multi-turn chat prefill, throughput vs concurrent conversations",
-        f"machine: {machine['platform']}, {machine['cpu_count']} CPUs, torch {machine['torch']} "
-        f"({machine['torch_threads']} threads), device {machine['device']}",
+        machine_line,
         f"model: {cfg['num_layers']} layers, hidden {cfg['hidden_size']}, {cfg['num_heads']} heads "
         f"({cfg['num_kv_heads']} KV) x {cfg['head_dim']}, MLP {cfg['intermediate_size']}, {cfg['dtype']}, "
         f"block {cfg['block_size']} tokens",
@@ -128,10 +196,11 @@ def _with_range(value: str, low: str, high: str, repeats: int) -> str:
     return f"{value} ({low}\u2013{high})" if repeats > 1 else value
 
 
-def format_table(results: Sequence[RunResult]) -> str:
+def format_table(results: Sequence[RunResult], bytes_per_hit_token: bool = False) -> str:
     """One row per point: throughput, TTFT p50/p90, tokens from each tier, hit rate.
 
     A row of several runs shows median throughput and TTFT p50 with their (min-max) spread.
+    ``bytes_per_hit_token`` adds the KiB kvtier copied to the device per token it supplied.
     """
     tiers: list[str] = [DEVICE_LABEL]
     for r in results:
@@ -140,6 +209,8 @@ def format_table(results: Sequence[RunResult]) -> str:
                 tiers.append(label)
     tiers.append(RECOMPUTE_LABEL)
     head = ["strategy", "conv", "WS tok", "tok/s", "TTFT p50", "TTFT p90", *tiers, "hit"]
+    if bytes_per_hit_token:
+        head.append("KiB/hit tok")
     rows = [head]
     for r in results:
         rows.append(
@@ -154,6 +225,8 @@ def format_table(results: Sequence[RunResult]) -> str:
                 f"{r.hit_rate:.0%}",
             ]
         )
+        if bytes_per_hit_token:
+            rows[-1].append(f"{r.bytes_per_hit_token / 1024:.2f}" if r.kvtier_tokens else "-")
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = []
     for n, row in enumerate(rows):
@@ -213,6 +286,61 @@ def layerwise_lines(comparison: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
+#: Numbers of a row set beside its twin's by :func:`twin_comparison`.
+TWIN_FIELDS = ("bytes_per_hit_token", "bytes_loaded", "load_seconds", "kvtier_tokens", "ttft_p50_s", "ttft_mean_s",
+               "ttft_kvtier_hit_mean_s")
+
+
+def twin_comparison(results: Sequence[RunResult]) -> list[dict[str, Any]]:
+    """Each hybrid row beside its full-attention twin's (``<strategy>/twin``, same conversations).
+
+    Per row: ``{"strategy", "conversations", "hybrid": {...}, "twin": {...}, "ratio": {...}}``, the
+    dicts holding :data:`TWIN_FIELDS`; ``ratio`` is twin / hybrid (above 1: the hybrid model loads
+    fewer bytes, or is faster), ``None`` where the hybrid's number is 0 (nothing loaded).
+    """
+    rows = {(r.strategy, r.conversations): r for r in results}
+    out: list[dict[str, Any]] = []
+    for r in results:
+        if r.strategy.endswith(TWIN_SUFFIX):
+            continue
+        twin = rows.get((r.strategy + TWIN_SUFFIX, r.conversations))
+        if twin is None:
+            continue
+        hybrid_numbers = {name: getattr(r, name) for name in TWIN_FIELDS}
+        twin_numbers = {name: getattr(twin, name) for name in TWIN_FIELDS}
+        out.append({
+            "strategy": r.strategy,
+            "conversations": r.conversations,
+            "hybrid": hybrid_numbers,
+            "twin": twin_numbers,
+            "ratio": {name: (twin_numbers[name] / hybrid_numbers[name] if hybrid_numbers[name] else None)
+                      for name in TWIN_FIELDS},
+        })
+    return out
+
+
+def twin_lines(comparison: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The comparison as printed lines: KiB per hit token, load seconds and mean TTFT, hybrid vs twin."""
+    if not comparison:
+        return []
+    lines = ["hybrid vs full-attention twin (ratio twin / hybrid):"]
+    for row in comparison:
+        h, t, ratio = row["hybrid"], row["twin"], row["ratio"]
+        head = f"  {row['strategy']} x{row['conversations']}: "
+        ttft = (f"TTFT mean {h['ttft_mean_s'] * 1000:.1f} vs {t['ttft_mean_s'] * 1000:.1f} ms"
+                + (f" ({ratio['ttft_mean_s']:.2f}x)" if ratio["ttft_mean_s"] else ""))
+        if not h["kvtier_tokens"] or not t["kvtier_tokens"]:
+            lines.append(head + f"nothing loaded from kvtier; {ttft}")
+            continue
+        lines.append(
+            head + f"{h['bytes_per_hit_token'] / 1024:.2f} vs {t['bytes_per_hit_token'] / 1024:.2f} KiB per hit token "
+            f"({ratio['bytes_per_hit_token']:.2f}x), loaded {h['bytes_loaded'] / 2**20:.1f} vs "
+            f"{t['bytes_loaded'] / 2**20:.1f} MiB in {h['load_seconds'] * 1000:.0f} vs {t['load_seconds'] * 1000:.0f} ms; "
+            + ttft
+        )
+    return lines
+
+
 def _spread(r: RunResult, name: str, fmt: Any) -> tuple[str, str, str]:
     value = getattr(r, name)
     spread = r.spread.get(name, {"min": value, "max": value})
@@ -235,8 +363,8 @@ def write_chart(
 
     Rows of several runs draw the median with a shaded min-max band. Each of ``markers`` (see
     ``runner.capacity_markers``) whose position lies within the sweep is a dashed vertical line
-    labelled with its ``label``. Returns ``None`` on success, or the reason the chart was skipped
-    (matplotlib missing).
+    labelled with its ``label``. Full-attention twins (``<strategy>/twin``) are dashed. Returns
+    ``None`` on success, or the reason the chart was skipped (matplotlib missing).
     """
     try:
         import matplotlib
@@ -259,7 +387,9 @@ def write_chart(
         for name, points in series.items():
             points.sort()
             xs = [p[0] for p in points]
-            (line,) = ax.plot(xs, [p[1] for p in points], marker="o", label=name, zorder=3)
+            # A full-attention twin's line is dashed, beside its hybrid strategy's solid one.
+            style = "--" if name.endswith(TWIN_SUFFIX) else "-"
+            (line,) = ax.plot(xs, [p[1] for p in points], marker="o", linestyle=style, label=name, zorder=3)
             if repeats > 1:
                 ax.fill_between(xs, [p[2] for p in points], [p[3] for p in points],
                                 color=line.get_color(), alpha=0.2, linewidth=0, zorder=2)

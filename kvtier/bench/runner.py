@@ -17,6 +17,12 @@ nothing it did not create. Requests are served one at a time, like a single pref
    while the following layers are still being copied;
 4. ``engine.store`` offloads the prompt's complete chunks; the pool then releases the blocks.
 
+With a hybrid model (``BenchPlan.model`` a ``HybridConfig``, ``kvtier bench --model hybrid``) the
+device pool is a ``HybridBlockPool`` (one block table per KV-cache group, no device prefix cache:
+step 1 only allocates) and the engine is opened with the model's ``kvtier.KVModel``; a strategy
+made with ``Strategy.with_twin`` runs the same workload on the model's full-attention twin, so
+the bytes each loads per hit token can be compared (``RunResult.bytes_per_hit_token``).
+
 The timed section is exactly steps 1-4 of every request; a strategy's throughput is its prompt
 tokens over the sum of its requests' service times. The strategies of one sweep point run in
 lockstep (see ``run_point``) so that load from elsewhere on the machine hits them alike.
@@ -47,6 +53,7 @@ import anyio.from_thread
 import anyio.to_thread
 import torch
 
+from kvtier.bench.hybrid import HybridBlockPool, HybridConfig, HybridDecoder
 from kvtier.bench.model import DeviceBlockPool, ModelConfig, TinyDecoder
 from kvtier.bench.workload import ChatRequest, WorkloadSpec, iter_requests
 
@@ -60,11 +67,13 @@ __all__ = [
     "default_capacities",
     "capacity_tokens",
     "capacity_markers",
+    "hybrid_capacities",
     "aggregate_runs",
     "run_plan",
     "DEVICE_LABEL",
     "RECOMPUTE_LABEL",
     "LAYERWISE_SUFFIX",
+    "TWIN_SUFFIX",
 ]
 
 #: ``tokens_by_tier`` label of tokens found in the device prefix cache.
@@ -75,6 +84,8 @@ RECOMPUTE_LABEL = "recompute"
 FRESH_DIR = "<fresh temporary directory>"
 #: Name suffix of a strategy's layer-wise variant (``Strategy.with_layerwise``).
 LAYERWISE_SUFFIX = "/layerwise"
+#: Name suffix of a strategy run on the hybrid model's full-attention twin (``Strategy.with_twin``).
+TWIN_SUFFIX = "/twin"
 
 # What may appear of a strategy's name (a --config file's stem, "/layerwise") in a directory name.
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.+-]")
@@ -92,17 +103,23 @@ class LogitsMismatch(AssertionError):
 class Strategy:
     """A named caching strategy: ``config`` is a ``kv_connector_extra_config`` dict, or ``None``
     for ``recompute`` (device prefix cache only, kvtier not used). ``layerwise`` loads with
-    ``engine.load_layerwise`` and overlaps each layer's compute with the next layers' copies."""
+    ``engine.load_layerwise`` and overlaps each layer's compute with the next layers' copies.
+    ``twin`` serves a hybrid plan's full-attention twin instead of the hybrid model."""
 
     name: str
     config: Mapping[str, Any] | None = None
     layerwise: bool = False
+    twin: bool = False
 
     def with_layerwise(self) -> Strategy:
         """The same configuration loaded layer-wise, named ``<name>/layerwise``."""
         if self.config is None:
             raise ValueError(f"strategy {self.name!r} does not use kvtier: it has nothing to load layer-wise")
-        return Strategy(self.name + LAYERWISE_SUFFIX, self.config, layerwise=True)
+        return Strategy(self.name + LAYERWISE_SUFFIX, self.config, layerwise=True, twin=self.twin)
+
+    def with_twin(self) -> Strategy:
+        """The same strategy on the hybrid model's full-attention twin, named ``<name>/twin``."""
+        return Strategy(self.name + TWIN_SUFFIX, self.config, layerwise=self.layerwise, twin=True)
 
     def resolve(self, host_bytes: int, fresh_dir: Callable[[], str]) -> dict[str, Any] | None:
         """The engine config of one run: host size filled in when absent, ``FRESH_DIR`` replaced."""
@@ -133,9 +150,13 @@ def builtin_strategies() -> dict[str, Strategy]:
 
 @dataclass(frozen=True)
 class BenchPlan:
-    """Everything one bench invocation runs: model, workload, sweep, strategies and tier sizes."""
+    """Everything one bench invocation runs: model, workload, sweep, strategies and tier sizes.
 
-    model: ModelConfig
+    With a hybrid ``model``, ``device_blocks`` is per KV-cache group and ``twin_host_bytes`` the
+    host tier of the strategies run on the full-attention twin (``Strategy.twin``).
+    """
+
+    model: ModelConfig | HybridConfig
     workload: WorkloadSpec
     conversations: tuple[int, ...]
     strategies: tuple[Strategy, ...]
@@ -146,10 +167,27 @@ class BenchPlan:
     device: str = "cpu"
     repeats: int = 1  # cold runs of every (strategy, conversations) point; rows report the median
     keep_fs_dirs: bool = False  # leave each run's fs tier directory (RunResult.fs_dirs) in place
+    twin_host_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        hybrid = isinstance(self.model, HybridConfig)
+        for strategy in self.strategies:
+            if strategy.twin and not hybrid:
+                raise ValueError(f"strategy {strategy.name!r} runs a full-attention twin: only a hybrid model has one")
+            if strategy.layerwise and hybrid:
+                raise ValueError(f"strategy {strategy.name!r}: layer-wise loading is not run on the hybrid model")
+
+    @property
+    def hybrid(self) -> bool:
+        return isinstance(self.model, HybridConfig)
+
+    def host_bytes_of(self, strategy: Strategy) -> int:
+        """The host tier size of ``strategy``'s runs."""
+        if strategy.twin and self.twin_host_bytes is not None:
+            return self.twin_host_bytes
+        return self.host_bytes
 
     @property
     def total_requests(self) -> int:
@@ -207,6 +245,24 @@ def capacity_markers(
     return markers
 
 
+def hybrid_capacities(
+    model: HybridConfig, workload: WorkloadSpec, host_conversations: float
+) -> tuple[int, int, int]:
+    """``(device_blocks, host_bytes, twin_host_bytes)`` of a hybrid plan.
+
+    The device pool has no prefix cache, so it holds the longest prompt (plus a block) in each
+    group. Each host tier holds the KV that ``host_conversations`` working sets may store: at
+    most one chunk per token block and group (one block per chunk), in the model's slots for
+    the hybrid model and in the twin's for the twin.
+    """
+    longest = workload.prompt_tokens(workload.rounds)
+    device_blocks = math.ceil(longest / min(model.block_size, model.state_block)) + 1
+    token_blocks = math.ceil(_ws(workload, host_conversations) / min(model.block_size, model.state_block))
+    hybrid, twin = model.kv_model(), model.twin().kv_model()
+    return (device_blocks, token_blocks * len(hybrid.groups) * hybrid.slot_bytes(1),
+            token_blocks * len(twin.groups) * twin.slot_bytes(1))
+
+
 def _ws(workload: WorkloadSpec, conversations: float) -> float:
     private = workload.prompt_tokens(workload.rounds) - workload.system_tokens
     return workload.system_tokens + conversations * private
@@ -257,6 +313,12 @@ class RunResult:
     service_times_s: list[float] = field(default_factory=list)
     #: The fs tier directories kept after the run(s), of every run (``BenchPlan.keep_fs_dirs``).
     fs_dirs: list[str] = field(default_factory=list)
+    #: What kvtier copied to the device (``engine.statistics()["copies"]``: bytes and seconds
+    #: to device) for the tokens it supplied, and the bytes per such token (0 without any).
+    bytes_loaded: int = 0
+    load_seconds: float = 0.0
+    kvtier_tokens: int = 0
+    bytes_per_hit_token: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in self.__dict__.items() if k not in ("spread", "runs")}
@@ -272,7 +334,8 @@ class RunResult:
 SPREAD_FIELDS = ("throughput_tokens_per_s", "ttft_p50_s", "ttft_p90_s", "ttft_mean_s", "ttft_kvtier_hit_mean_s",
                  "elapsed_s")
 _RUN_FIELDS = (*SPREAD_FIELDS, "computed_tokens", "hit_rate", "tokens_by_tier",
-               "checked_requests", "max_logit_error", "service_times_s", "fs_dirs")
+               "checked_requests", "max_logit_error", "service_times_s", "fs_dirs", "bytes_loaded",
+               "load_seconds", "kvtier_tokens", "bytes_per_hit_token")
 
 
 def aggregate_runs(runs: Sequence[RunResult]) -> RunResult:
@@ -304,7 +367,7 @@ class ReferenceLogits:
     Valid because the workload draws conversation ``c``'s tokens independently of ``N``.
     """
 
-    def __init__(self, model: TinyDecoder) -> None:
+    def __init__(self, model: TinyDecoder | HybridDecoder) -> None:
         self.model = model
         self._cache: dict[tuple[int, int, int], torch.Tensor] = {}
 
@@ -336,12 +399,19 @@ def _should_check(plan: BenchPlan, request: ChatRequest) -> bool:
 class _Server:
     """One strategy's prefill worker for one run: its device pool, engine and tallies."""
 
-    def __init__(self, plan: BenchPlan, strategy: Strategy, model: TinyDecoder, engine: Any) -> None:
+    def __init__(self, plan: BenchPlan, strategy: Strategy, model: TinyDecoder | HybridDecoder, engine: Any) -> None:
         self.plan = plan
         self.strategy = strategy
-        self.model = model
+        # A TinyDecoder with a DeviceBlockPool, or a HybridDecoder with a HybridBlockPool: the
+        # two pools acquire and release alike, the two models prefill alike (with their pool's
+        # block tables), so serving needs no branch on which it is.
+        self.model: Any = model
         self.engine = engine
-        self.pool = DeviceBlockPool(plan.device_blocks, plan.model, device=plan.device)
+        self.pool: Any
+        if isinstance(model, HybridDecoder):
+            self.pool = HybridBlockPool(plan.device_blocks, model.config, device=plan.device)
+        else:
+            self.pool = DeviceBlockPool(plan.device_blocks, plan.model, device=plan.device)  # type: ignore[arg-type]
         self.by_tier: dict[str, int] = {DEVICE_LABEL: 0, RECOMPUTE_LABEL: 0}
         self.ttfts: list[float] = []
         self.hit_ttfts: list[float] = []  # of requests to which kvtier supplied tokens
@@ -350,6 +420,14 @@ class _Server:
         self.fs_dirs: list[str] = []  # kept ones only
         self.prompt_tokens = 0
         self.to_check: list[tuple[ChatRequest, torch.Tensor, dict[str, int]]] = []
+
+    def open_engine(self, config: Mapping[str, Any]) -> Any:
+        """``kvtier.open`` for this server's device memory (the engine's async context manager)."""
+        import kvtier
+
+        if isinstance(self.pool, HybridBlockPool):
+            return kvtier.open(config, self.pool.config.kv_model(), self.pool.device_kv())
+        return kvtier.open(config, geometry_for(self.pool.config), self.pool.kv)
 
     async def serve(self, request: ChatRequest) -> None:
         """Prefill ``request`` (steps 1-4 of the module docstring), timing it."""
@@ -428,8 +506,8 @@ class _Server:
         for request, logits, sources in self.to_check:
             ref = references.get(request)
             error = float((logits - ref).abs().max())
-            max_error = max(max_error, error)
-            if error > _ATOL + _RTOL * float(ref.abs().max()):
+            max_error = max(max_error, error) if not math.isnan(error) else math.inf
+            if not error <= _ATOL + _RTOL * float(ref.abs().max()):  # NaN (a block nobody wrote) fails too
                 raise LogitsMismatch(
                     f"strategy {self.strategy.name!r}, {conversations} conversations: request of "
                     f"conversation {request.conversation} round {request.round} "
@@ -438,6 +516,9 @@ class _Server:
                 )
         computed = self.by_tier[RECOMPUTE_LABEL]
         ttfts, total = self.ttfts, self.prompt_tokens
+        copies = engine_stats.get("copies") or {}
+        loaded_bytes = int(copies.get("bytes_to_device", 0))
+        kvtier_tokens = sum(n for label, n in self.by_tier.items() if label not in (DEVICE_LABEL, RECOMPUTE_LABEL))
         return RunResult(
             strategy=self.strategy.name,
             conversations=conversations,
@@ -459,6 +540,10 @@ class _Server:
             ttft_kvtier_hit_mean_s=sum(self.hit_ttfts) / len(self.hit_ttfts) if self.hit_ttfts else 0.0,
             service_times_s=list(self.service_times),
             fs_dirs=list(self.fs_dirs),
+            bytes_loaded=loaded_bytes,
+            load_seconds=float(copies.get("seconds_to_device", 0.0)),
+            kvtier_tokens=kvtier_tokens,
+            bytes_per_hit_token=loaded_bytes / kvtier_tokens if kvtier_tokens else 0.0,
         )
 
 
@@ -466,12 +551,15 @@ async def run_point(
     plan: BenchPlan,
     strategies: Sequence[Strategy],
     conversations: int,
-    model: TinyDecoder,
+    model: TinyDecoder | HybridDecoder,
     references: ReferenceLogits,
     on_request: Callable[[str], None] = lambda name: None,
     rotation: int = 0,
+    twin: ReferenceLogits | None = None,
 ) -> list[RunResult]:
     """One cold run of ``conversations`` per strategy, served in lockstep.
+
+    A twin strategy (``Strategy.twin``) serves ``twin.model`` and is checked against ``twin``.
 
     Each request is served by every strategy back to back (the order rotating per request, and
     by ``rotation`` more), so a burst of load from elsewhere on the machine slows all
@@ -479,8 +567,6 @@ async def run_point(
     tokens over each strategy's own busy time (the sum of its requests' service times). Raises
     ``LogitsMismatch``.
     """
-    import kvtier
-
     with contextlib.ExitStack() as dirs:
 
         def fresh_dir(server: _Server) -> str:
@@ -496,14 +582,17 @@ async def run_point(
 
         async with contextlib.AsyncExitStack() as stack:
             servers: list[_Server] = []
+            checks: list[ReferenceLogits] = []
             for strategy in strategies:
-                server = _Server(plan, strategy, model, None)
-                config = strategy.resolve(plan.host_bytes, functools.partial(fresh_dir, server))
+                if strategy.twin and twin is None:
+                    raise ValueError(f"strategy {strategy.name!r} needs the full-attention twin's reference logits")
+                check = twin if strategy.twin and twin is not None else references
+                server = _Server(plan, strategy, check.model if strategy.twin else model, None)
+                config = strategy.resolve(plan.host_bytes_of(strategy), functools.partial(fresh_dir, server))
                 if config is not None:
-                    server.engine = await stack.enter_async_context(
-                        kvtier.open(config, geometry_for(plan.model), server.pool.kv)
-                    )
+                    server.engine = await stack.enter_async_context(server.open_engine(config))
                 servers.append(server)
+                checks.append(check)
             for i, request in enumerate(iter_requests(plan.workload, conversations)):
                 shift = (i + rotation) % len(servers)
                 for server in servers[shift:] + servers[:shift]:
@@ -511,14 +600,15 @@ async def run_point(
                     on_request(server.strategy.name)
             stats = [_summarize_stats(s.engine.statistics()) if s.engine is not None else {} for s in servers]
     # Reference recomputes run after every engine is closed: no background I/O overlaps them.
-    return [s.result(conversations, references, st) for s, st in zip(servers, stats)]
+    return [s.result(conversations, check, st) for s, check, st in zip(servers, checks, stats)]
 
 
 async def run_one(
-    plan: BenchPlan, strategy: Strategy, conversations: int, model: TinyDecoder, references: ReferenceLogits
+    plan: BenchPlan, strategy: Strategy, conversations: int, model: TinyDecoder | HybridDecoder,
+    references: ReferenceLogits, twin: ReferenceLogits | None = None,
 ) -> RunResult:
     """One cold run of one strategy (``run_point`` with a single strategy)."""
-    return (await run_point(plan, [strategy], conversations, model, references))[0]
+    return (await run_point(plan, [strategy], conversations, model, references, twin=twin))[0]
 
 
 def _summarize_stats(stats: Mapping[str, Any]) -> dict[str, Any]:
@@ -540,20 +630,27 @@ def _summarize_stats(stats: Mapping[str, Any]) -> dict[str, Any]:
 
 
 async def run_plan(
-    plan: BenchPlan, model: TinyDecoder, on_request: Callable[[str, int], None] = lambda s, n: None
+    plan: BenchPlan, model: TinyDecoder | HybridDecoder, on_request: Callable[[str, int], None] = lambda s, n: None
 ) -> list[RunResult]:
     """Every (strategy, conversations) row of ``plan``, strategy-major, in sweep order.
+
+    A hybrid plan with twin strategies builds the full-attention twin of ``model`` (same seed).
 
     The sweep runs ``plan.repeats`` times, repeat-major (so slow drift on the machine lands on
     every point and strategy alike) with the strategies' order rotated by one per repeat; each
     row aggregates its runs (``aggregate_runs``). Raises ``LogitsMismatch`` on the first bad run.
     """
     references = ReferenceLogits(model)
+    twin: ReferenceLogits | None = None
+    if isinstance(model, HybridDecoder) and any(s.twin for s in plan.strategies):
+        twin = ReferenceLogits(HybridDecoder(model.config.twin(), device=model.device))
     # Untimed warm-up: the first forward pass of a process pays one-off costs (allocator growth,
     # kernel selection) that would otherwise land on whichever strategy serves first.
     first = next(iter(iter_requests(plan.workload, plan.conversations[0])), None)
     if first is not None:
-        await anyio.to_thread.run_sync(model.dense_logits, first.token_ids)
+        for reference in (references, twin):
+            if reference is not None:
+                await anyio.to_thread.run_sync(reference.model.dense_logits, first.token_ids)
     by_point: dict[int, list[list[RunResult]]] = {n: [] for n in plan.conversations}
     for repeat in range(plan.repeats):
         for n in plan.conversations:
@@ -561,7 +658,7 @@ async def run_plan(
                 on_request(name, n)
 
             by_point[n].append(
-                await run_point(plan, plan.strategies, n, model, references, progress, rotation=repeat)
+                await run_point(plan, plan.strategies, n, model, references, progress, rotation=repeat, twin=twin)
             )
     return [
         aggregate_runs([runs[i] for runs in by_point[n]])

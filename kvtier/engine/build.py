@@ -20,7 +20,7 @@ import asyncio
 import errno
 import logging
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -35,9 +35,9 @@ from kvtier.model import KVModel
 from kvtier.specs import OffloadingSpec
 
 if TYPE_CHECKING:
-    import torch
 
     from kvtier.host.copy_engine import CopyEngine
+    from kvtier.host.copy_plan import DeviceKV
     from kvtier.host.tier import HostTier
     from kvtier.tiers.base import SecondaryTier
 
@@ -56,8 +56,7 @@ class EngineParts:
     """The components of one engine (module docstring); their attributes are the engine's."""
 
     def __init__(self, config: EngineConfig, spec: OffloadingSpec, model: KVModel,
-                 device_kv: Sequence[torch.Tensor] | torch.Tensor | Mapping[str, Any] | None, *,
-                 blocks_per_chunk: int,
+                 device_kv: DeviceKV | None, *, blocks_per_chunk: int,
                  slot_bytes: int, num_slots: int, tp_rank: int, hash_algorithm: str,
                  kv_events_enabled: bool) -> None:
         self.config = config

@@ -30,7 +30,7 @@ import math
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Union
 
 import anyio
 import anyio.abc
@@ -57,18 +57,16 @@ if sys.version_info < (3, 11):  # pragma: no cover - anyio depends on the backpo
     from exceptiongroup import BaseExceptionGroup
 
 if TYPE_CHECKING:
-    from typing import Union
-
     import torch
-
-    #: The device KV cache ``open`` takes: per-layer tensors or one cross-layer tensor (one group),
-    #: or a mapping from layer name to tensor (a state layer: a sequence of tensors).
-    DeviceKV = Union[Sequence[torch.Tensor], torch.Tensor, Mapping[str, Any]]
 
     from kvtier.host.copy_engine import CopyEngine
     from kvtier.host.copy_jobs import CopyOrder
+    from kvtier.host.copy_plan import DeviceKV
     from kvtier.host.tier import HostTier
     from kvtier.tiers.base import SecondaryTier
+
+#: Block ids of a call: one sequence for a one-group model, or one sequence per KV-cache group.
+BlockIds = Union[Sequence[int], Sequence[Sequence[int]]]
 
 __all__ = ["Engine", "LoadOutcome", "open", "DEFAULT_WAIT_TIMEOUT_S", "DEFAULT_FLUSH_TIMEOUT_S"]
 
@@ -260,7 +258,7 @@ class Engine:
             for tier in self.tiers:
                 tier.on_request_finished(ctx)
 
-    async def load(self, token_ids: Sequence[int], block_ids: Sequence[int],
+    async def load(self, token_ids: Sequence[int], block_ids: BlockIds,
                    params: Mapping[str, Any] | None = None, *, num_computed_tokens: int = 0,
                    cache_salt: str | None = None, lora_name: str | None = None,
                    lora_path: str | None = None, mm_items: Sequence[tuple[str, int, int]] | None = None,
@@ -308,7 +306,7 @@ class Engine:
         return (await self._checked_load(token_ids, block_ids, params, num_computed_tokens, extras,
                                          order)).tokens
 
-    async def load_with_sources(self, token_ids: Sequence[int], block_ids: Sequence[int],
+    async def load_with_sources(self, token_ids: Sequence[int], block_ids: BlockIds,
                                 params: Mapping[str, Any] | None = None, *,
                                 num_computed_tokens: int = 0, cache_salt: str | None = None,
                                 lora_name: str | None = None, lora_path: str | None = None,
@@ -321,7 +319,7 @@ class Engine:
         extras = extra_keys(cache_salt, lora_name, lora_path, mm_items, prompt_embeds)
         return await self._checked_load(token_ids, block_ids, params, num_computed_tokens, extras, order)
 
-    async def _checked_load(self, token_ids: Sequence[int], block_ids: Sequence[int],
+    async def _checked_load(self, token_ids: Sequence[int], block_ids: BlockIds,
                             params: Mapping[str, Any] | None, num_computed_tokens: int,
                             extras: RequestExtraKeys, order: CopyOrder | None) -> LoadOutcome:
         token_ids = int_ids(token_ids, "token_ids")
@@ -344,7 +342,7 @@ class Engine:
             finally:
                 self.stager.finish(staged, arrived=arrived)
 
-    async def store(self, token_ids: Sequence[int], block_ids: Sequence[int],
+    async def store(self, token_ids: Sequence[int], block_ids: BlockIds,
                     params: Mapping[str, Any] | None = None, *,
                     num_prompt_tokens: int | None = None, cache_salt: str | None = None,
                     lora_name: str | None = None, lora_path: str | None = None,
@@ -485,7 +483,7 @@ class Engine:
             stats[tier.context.label] = tier.statistics()
         return stats
 
-    def load_layerwise(self, token_ids: Sequence[int], block_ids: Sequence[int],
+    def load_layerwise(self, token_ids: Sequence[int], block_ids: BlockIds,
                        params: Mapping[str, Any] | None = None, *, num_computed_tokens: int = 0,
                        layers_per_group: int = 1, cache_salt: str | None = None,
                        lora_name: str | None = None, lora_path: str | None = None,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import anyio.from_thread
@@ -32,7 +32,8 @@ from kvtier.layout import KVGeometry
 from kvtier.model import KVModel
 
 if TYPE_CHECKING:
-    import torch
+
+    from kvtier.host.copy_plan import DeviceKV
 
 __all__ = ["ThreadedEngine", "start_in_thread"]
 
@@ -182,7 +183,7 @@ class ThreadedEngine:
 def start_in_thread(
     config: Mapping[str, Any] | EngineConfig,
     geometry: KVGeometry | KVModel,
-    device_kv: Sequence[torch.Tensor] | torch.Tensor | Mapping[str, Any] | None = None,
+    device_kv: DeviceKV | None = None,
     **kwargs: Any,
 ) -> ThreadedEngine:
     """Start an engine on an asyncio loop in a background thread; return its blocking facade.

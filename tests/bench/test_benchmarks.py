@@ -41,6 +41,8 @@ RUNS: dict[str, tuple[list[str], list[str]]] = {
          "periodic re-sync, CPU share of one core", "index bytes per chunk"],
     ),
     "p2p_tier.py": (["--tiny"], ["raw GiB/s", "256 KiB", "2 MiB"]),
+    "hybrid_windows.py": (["--quick", "--threads", "1"],
+                          ["full-attention twin", "hybrid, window 64", "twin / hybrid:", "bytes per hit token"]),
     "verify.py": (
         ["--chunks", "16", "--chunk-kib", "64", "--trials", "2", "--passes", "1", "--readers", "2"],
         ["16 chunk files x 64 KiB", "raw GiB/s", "verify GiB/s", "median", "target ratio >= 0.8"],

@@ -78,6 +78,12 @@ EXPECTED: dict[str, list[tuple[tuple[str, ...], tuple[str, ...]]]] = {
         "writer: offloaded 192 tokens (12 chunks)",
         "reader: loaded 192 of 192 prompt tokens from disk; contents match: True",
     ))],
+    "hybrid_model.py": [((), (
+        "loaded 96 of 101 prompt tokens (58368 bytes copied to the device)",
+        "group 1 (sliding_window, layers layers.1.attn): token blocks [4, 5] loaded, [0, 1, 2, 3, 6] untouched",
+        "group 2 (mamba, layers layers.2.mixer): token blocks [5] loaded, [0, 1, 2, 3, 4, 6] untouched",
+        "hybrid_model: every group got exactly what a load at the hit needs, byte-identical",
+    ))],
     "obj_tier.py": [((), (
         "started a local S3 server (moto)",
         "engine A stored 96 tokens (6 chunks)",

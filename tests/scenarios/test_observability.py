@@ -353,9 +353,10 @@ async def test_self_describing_events_carry_block_hashes_parent_and_tokens(tmp_p
 
     def described(hashes: list[int], parent: int | None, tokens: list[int], medium: str,
                   **extra: Any) -> dict[str, Any]:
+        # Self-describing events name the group's kind, as vLLM's do (no window: full attention).
         return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
                 "block_size": BLOCK, "lora_id": None, "medium": medium, "lora_name": None, "group_idx": 0,
-                **extra}
+                "kv_cache_spec_kind": "full_attention", **extra}
 
     events = workload_events(replayed, resets, last)
     chunk0 = described(a[0:2], None, first[0:8], "CPU")
