@@ -44,6 +44,7 @@ __all__ = [
     "Namespace",
     "normalize_dtype",
     "torch_dtype",
+    "make_run_fields",
     "run_digest",
     "run_fingerprint",
     "namespace",
@@ -255,23 +256,37 @@ class KVGeometry:
         sizes and ``parallel_agnostic`` is ``False``.
         """
         _check_positive("blocks_per_chunk", blocks_per_chunk)
-        fields: dict[str, Any] = {
-            "model_name": self.model_name,
-            "tokens_per_hash": self.block_size,
-            "blocks_per_file": blocks_per_chunk,
-            "tp_size": 1 if parallel_agnostic else self.tp_size,
-            "pp_size": 1 if parallel_agnostic else self.pp_size,
-            "pcp_size": 1 if parallel_agnostic else self.pcp_size,
-            "dcp_size": 1 if parallel_agnostic else self.dcp_size,
-            "dtype": self.dtype,
-            "kv_cache_groups": [
-                {"tokens_per_block": self.block_size, "layer_names": list(self.names_of_layers)}
-            ],
-            "inference_engine": inference_engine,
-        }
-        if not parallel_agnostic:
-            fields["parallel_agnostic"] = False
-        return fields
+        groups = [{"tokens_per_block": self.block_size, "layer_names": list(self.names_of_layers)}]
+        return make_run_fields(self.model_name, self.block_size, blocks_per_chunk,
+                               (self.tp_size, self.pp_size, self.pcp_size, self.dcp_size), self.dtype, groups,
+                               inference_engine, parallel_agnostic)
+
+
+def make_run_fields(model_name: str, tokens_per_hash: int, blocks_per_chunk: int,
+                    parallel_sizes: tuple[int, int, int, int], dtype: str, kv_cache_groups: list[dict[str, Any]],
+                    inference_engine: str, parallel_agnostic: bool) -> dict[str, Any]:
+    """The run-configuration fields (vLLM's ``config.json`` fields) of a run.
+
+    ``parallel_sizes`` are ``(tp, pp, pcp, dcp)``. In parallelism-agnostic mode they are recorded
+    as 1 and ``parallel_agnostic`` is absent; otherwise they are the real sizes and
+    ``parallel_agnostic`` is ``False``.
+    """
+    tp, pp, pcp, dcp = (1, 1, 1, 1) if parallel_agnostic else parallel_sizes
+    fields: dict[str, Any] = {
+        "model_name": model_name,
+        "tokens_per_hash": tokens_per_hash,
+        "blocks_per_file": blocks_per_chunk,
+        "tp_size": tp,
+        "pp_size": pp,
+        "pcp_size": pcp,
+        "dcp_size": dcp,
+        "dtype": dtype,
+        "kv_cache_groups": kv_cache_groups,
+        "inference_engine": inference_engine,
+    }
+    if not parallel_agnostic:
+        fields["parallel_agnostic"] = False
+    return fields
 
 
 def _canonical_json(fields: Mapping[str, Any]) -> str:

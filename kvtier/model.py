@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvtier.errors import ConfigError
-from kvtier.layout import DTYPE_ITEMSIZE, SLOT_ALIGNMENT, KVGeometry, normalize_dtype
+from kvtier.layout import DTYPE_ITEMSIZE, SLOT_ALIGNMENT, KVGeometry, make_run_fields, normalize_dtype
 
 __all__ = [
     "GroupKind",
@@ -394,20 +394,9 @@ class KVModel:
         """
         _positive("blocks_per_chunk", blocks_per_chunk)
         agnostic = self.parallel_agnostic
-        fields: dict[str, Any] = {
-            "model_name": self.model_name,
-            "tokens_per_hash": self.hash_block_size,
-            "blocks_per_file": blocks_per_chunk,
-            "tp_size": 1 if agnostic else self.tp_size,
-            "pp_size": 1 if agnostic else self.pp_size,
-            "pcp_size": 1 if agnostic else self.pcp_size,
-            "dcp_size": 1 if agnostic else self.dcp_size,
-            "dtype": self.dtype,
-            "kv_cache_groups": [group.describe() for group in self.groups],
-            "inference_engine": inference_engine,
-        }
-        if not agnostic:
-            fields["parallel_agnostic"] = False
-        elif self.groups[0].kind == "mla":
+        fields = make_run_fields(self.model_name, self.hash_block_size, blocks_per_chunk,
+                                 (self.tp_size, self.pp_size, self.pcp_size, self.dcp_size), self.dtype,
+                                 [group.describe() for group in self.groups], inference_engine, agnostic)
+        if agnostic and self.groups[0].kind == "mla":
             fields["replicated_layout"] = True
         return fields

@@ -45,7 +45,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from kvtier.bench.model import PoolExhausted
+from kvtier.bench.model import PoolExhausted, apply_rotary, rms_norm, rotary
 
 __all__ = ["LAYER_KINDS", "HybridConfig", "HybridDecoder", "HybridBlockPool", "HybridAllocation"]
 
@@ -287,14 +287,14 @@ class HybridDecoder:
         positions = torch.arange(start, start + n, device=self.device)
         cos, sin = self._rotary(positions)
         for layer, (kind, w) in enumerate(zip(c.layer_kinds, self.layers)):
-            h = _rms_norm(x)
+            h = rms_norm(x)
             if kind == "recurrent":
                 x = x + self._recurrent(layer, h, start, io, w)
             else:
                 x = x + self._attention(layer, kind, h, positions, cos, sin, io, w)
-            gate, up = (_rms_norm(x) @ w["w_gate_up"]).chunk(2, dim=-1)
+            gate, up = (rms_norm(x) @ w["w_gate_up"]).chunk(2, dim=-1)
             x = x + (F.silu(gate) * up) @ w["w_down"]
-        return (_rms_norm(x[-1]) @ self.lm_head).float()
+        return (rms_norm(x[-1]) @ self.lm_head).float()
 
     def _attention(self, layer: int, kind: str, h: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, io: _LayerIO, w: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -305,7 +305,7 @@ class HybridDecoder:
         q = qkv[:, :q_dim].view(n, c.num_heads, c.head_dim)
         k = qkv[:, q_dim : q_dim + kv_dim].view(n, c.num_kv_heads, c.head_dim)
         v = qkv[:, q_dim + kv_dim :].view(n, c.num_kv_heads, c.head_dim)
-        q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         io.store_kv(layer, k, v)
         # A sliding-window layer's first new query (at `start`) reaches back window - 1 tokens:
         # older cached keys are never read.
@@ -341,19 +341,7 @@ class HybridDecoder:
         return (out * F.silu(h @ w["w_g"])) @ w["w_out"]
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.to(torch.float64)[:, None] * self._inv_freq[None, :]
-        dt = self.config.torch_dtype
-        return angles.cos().to(dt)[:, None, :], angles.sin().to(dt)[:, None, :]
-
-
-def _rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        return rotary(positions, self._inv_freq, self.config.torch_dtype)
 
 
 class _DenseIO:

@@ -32,6 +32,9 @@ __all__ = [
     "DeviceBlockPool",
     "BlockAllocation",
     "PoolExhausted",
+    "rotary",
+    "rms_norm",
+    "apply_rotary",
     "LLAMA_8B_FLOPS_PER_TOKEN",
     "LLAMA_8B_KV_BYTES_PER_TOKEN",
 ]
@@ -204,33 +207,39 @@ class TinyDecoder:
         for layer, w in enumerate(self.layers):
             if before_layer is not None:
                 before_layer(layer)
-            h = _rms_norm(x)
+            h = rms_norm(x)
             qkv = h @ w["wqkv"]
             q = qkv[:, :q_dim].view(n, c.num_heads, c.head_dim)
             k = qkv[:, q_dim : q_dim + kv_dim].view(n, c.num_kv_heads, c.head_dim)
             v = qkv[:, q_dim + kv_dim :].view(n, c.num_kv_heads, c.head_dim)
-            q, k = _apply_rotary(q, cos, sin), _apply_rotary(k, cos, sin)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             store(layer, k, v)
             past_k, past_v = past(layer)
             keys = torch.cat([past_k, k]).repeat_interleave(group, dim=1).transpose(0, 1)
             values = torch.cat([past_v, v]).repeat_interleave(group, dim=1).transpose(0, 1)
             attn = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
             x = x + attn.transpose(0, 1).reshape(n, q_dim) @ w["wo"]
-            gate, up = (_rms_norm(x) @ w["w_gate_up"]).chunk(2, dim=-1)
+            gate, up = (rms_norm(x) @ w["w_gate_up"]).chunk(2, dim=-1)
             x = x + (F.silu(gate) * up) @ w["w_down"]
-        return (_rms_norm(x[-1]) @ self.lm_head).float()
+        return (rms_norm(x[-1]) @ self.lm_head).float()
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = positions.to(torch.float64)[:, None] * self._inv_freq[None, :]
-        dt = self.config.torch_dtype
-        return angles.cos().to(dt)[:, None, :], angles.sin().to(dt)[:, None, :]
+        return rotary(positions, self._inv_freq, self.config.torch_dtype)
 
 
-def _rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def rotary(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` of the rotary embedding at ``positions`` (``[n, 1, head_dim / 2]``, in ``dtype``)."""
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    return angles.cos().to(dtype)[:, None, :], angles.sin().to(dtype)[:, None, :]
+
+
+def rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """RMSNorm without a learnt scale."""
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x``'s two halves by the rotary ``cos``/``sin``."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

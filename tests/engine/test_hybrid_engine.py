@@ -76,6 +76,12 @@ def layer_blocks(kv: dict[str, Any], name: str, block: int) -> list[torch.Tensor
     return [t[block].clone() for t in value] if isinstance(value, tuple) else [value[block].clone()]
 
 
+def zero(kv: dict[str, Any]) -> None:
+    for value in kv.values():
+        for t in value if isinstance(value, tuple) else (value,):
+            t.zero_()
+
+
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a, b))
 
@@ -95,11 +101,7 @@ async def test_window_and_state_groups_load_only_what_the_model_needs() -> None:
     prompt = tokens(32)
     async with kvtier.open(config(), model(), source) as engine:
         await store_prompt(engine, prompt)
-        for name in FULL + SWA:
-            for t in (source[name],):
-                t.zero_()
-        for t in source[STATE[0]]:
-            t.zero_()
+        zero(source)
         loaded_before = engine.statistics()["copies"].bytes_to_device
         # The caller passes the prompt without its last token: hits are multiples of 8 -> 24.
         assert await engine.load(prompt[:-1], blocks(32, offset=16)) == 24
@@ -152,9 +154,7 @@ async def test_a_missing_state_chunk_lowers_the_hit_to_a_state_that_exists(tmp_p
         tree = engine.tiers[0].namespace
         for state in engine.chunk_keys(prompt, group=2)[2:]:
             Path(tree.chunk_path(state)).unlink()
-        for value in source.values():
-            for t in value if isinstance(value, tuple) else (value,):
-                t.zero_()
+        zero(source)
         # Full attention and the window hold up to 32, the states only up to 16: the hit is 16.
         assert await engine.load(prompt, blocks(32, offset=16)) == 16
     reference = device_kv(seed=3)
@@ -196,9 +196,7 @@ async def test_every_group_round_trips_through_fs_and_obj_tiers(tmp_path: Path, 
         async with kvtier.open(config(tiers), model(), source) as engine:
             await store_prompt(engine, prompt)
             await engine.reset_cache()
-            for value in source.values():
-                for t in value if isinstance(value, tuple) else (value,):
-                    t.zero_()
+            zero(source)
             sources = await engine.load_with_sources(prompt[:-1], blocks(32, offset=8))
             assert sources.tokens == 32
             assert set(sources.tokens_by_tier) == {engine.tiers[0].context.label}
@@ -216,9 +214,7 @@ async def test_layerwise_loads_every_group_in_model_layer_order() -> None:
     prompt = tokens(16)
     async with kvtier.open(config(), model(), source) as engine:
         await store_prompt(engine, prompt)
-        for value in source.values():
-            for t in value if isinstance(value, tuple) else (value,):
-                t.zero_()
+        zero(source)
         seen = []
         async with engine.load_layerwise(prompt, blocks(16, offset=20)) as layers:
             assert layers.tokens == 16

@@ -8,6 +8,7 @@ missing vLLM is an error instead, so CI can never pass without running them.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -31,3 +32,22 @@ def pytest_report_header(config: pytest.Config) -> str:
     if VLLM_VERSION is None:
         return "tests/integrations: not collected (vLLM is not installed; see README 'Using kvtier from vLLM')"
     return f"tests/integrations: against vLLM {VLLM_VERSION}"
+
+
+_ABSENT = object()
+
+
+@pytest.fixture
+def vllm_globals() -> Iterator[None]:
+    """``init_none_hash`` sets module globals of vLLM: put back what was there."""
+    from vllm.v1.core import kv_cache_utils
+
+    names = ("NONE_HASH", "_NONE_HASH_SEED")
+    saved = {name: getattr(kv_cache_utils, name, _ABSENT) for name in names}
+    yield
+    for name, value in saved.items():
+        if value is _ABSENT:
+            if hasattr(kv_cache_utils, name):
+                delattr(kv_cache_utils, name)
+        else:
+            setattr(kv_cache_utils, name, value)

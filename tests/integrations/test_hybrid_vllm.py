@@ -18,7 +18,7 @@ inspect it); the offloading code reads five facts from it, which :class:`ModelFa
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -172,25 +172,6 @@ def vllm_side(model: KVModel, blocks_per_chunk: int, *, rank: int = 0, secondary
 
 
 # ---------------------------------------------------------------- hashes and keys
-
-_ABSENT = object()
-
-
-@pytest.fixture
-def vllm_globals() -> Iterator[None]:
-    """``init_none_hash`` sets module globals of vLLM: put back what was there."""
-    from vllm.v1.core import kv_cache_utils
-
-    names = ("NONE_HASH", "_NONE_HASH_SEED")
-    saved = {name: getattr(kv_cache_utils, name, _ABSENT) for name in names}
-    yield
-    for name, value in saved.items():
-        if value is _ABSENT:
-            if hasattr(kv_cache_utils, name):
-                delattr(kv_cache_utils, name)
-        else:
-            setattr(kv_cache_utils, name, value)
-
 
 @pytest.fixture
 def vllm_none_hash(monkeypatch: pytest.MonkeyPatch, vllm_globals: None) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import random
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,25 +87,6 @@ def kvtier_hashes(case: dict[str, Any], algorithm: str, block_size: int) -> list
     )
     hasher = BlockHasher(algorithm, block_size)
     return hasher.hash_blocks(tokens, extras.per_block(len(tokens) // block_size, block_size))
-
-
-_ABSENT = object()
-
-
-@pytest.fixture
-def vllm_globals() -> Iterator[None]:
-    """``init_none_hash`` sets module globals of vLLM: put back what was there."""
-    from vllm.v1.core import kv_cache_utils
-
-    names = ("NONE_HASH", "_NONE_HASH_SEED")
-    saved = {name: getattr(kv_cache_utils, name, _ABSENT) for name in names}
-    yield
-    for name, value in saved.items():
-        if value is _ABSENT:
-            if hasattr(kv_cache_utils, name):
-                delattr(kv_cache_utils, name)
-        else:
-            setattr(kv_cache_utils, name, value)
 
 
 @pytest.fixture
