@@ -38,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "open": "kvtier.engine.engine",
     "start_in_thread": "kvtier.engine.threaded",
     "LoadOutcome": "kvtier.engine.engine",
+    "PrefetchOutcome": "kvtier.engine.prefetch",
     "EngineMetrics": "kvtier.metrics",
     "serve_metrics": "kvtier.metrics",
 }
@@ -63,6 +64,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtier.context import RequestContext
     from kvtier.engine.engine import Engine, LoadOutcome, open
     from kvtier.engine.layerwise import LayerGroup, LayerwiseLoadError
+    from kvtier.engine.prefetch import PrefetchOutcome
     from kvtier.engine.threaded import start_in_thread
     from kvtier.errors import ConfigError, EngineClosedError, RequestError
     from kvtier.keys import MultimodalItem, RequestExtraKeys

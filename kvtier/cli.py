@@ -1,5 +1,5 @@
-"""The ``kvtier`` command line: ``kvtier bench`` (the main job), ``kvtier events`` and the operator
-commands.
+"""The ``kvtier`` command line: ``kvtier bench`` (the main job), ``kvtier events``, ``kvtier warm`` and
+the operator commands.
 
 Dispatch is table-driven: :data:`COMMANDS` maps a command name to its one-line help and the
 ``"module:function"`` that runs it. The function takes the remaining arguments
@@ -37,6 +37,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "events": (
         "subscribe to a kvtier/vLLM KV-event publisher and print events as JSON lines",
         "kvtier.ops.events_cmd:run_events_cli",
+    ),
+    "warm": (
+        "ask an engine's warm-up endpoint to prefetch a prompt's cached prefix into host memory",
+        "kvtier.ops.warm_cmd:run_warm_cli",
     ),
     "inspect": ("show what a tier's storage holds", "kvtier.ops.inspect:run_inspect_cli"),
     "verify": ("check the integrity of a tier's stored chunks", "kvtier.ops.verify:run_verify_cli"),

@@ -13,7 +13,35 @@ Load: ``lookup`` walks the host tier, then the secondary tiers in configured ord
 the request's ``kv_load_tiers``). A secondary hit allocates a host slot at once and answers
 ``HIT_PENDING`` (so no other lookup of the same key starts a second promotion); the promotions
 of one (tier, request) are submitted as one job at ``on_schedule_end``. A failed promotion frees
-its slots and the key becomes a miss: the request recomputes, it never sees garbage.
+its slots and the key becomes a miss: the request recomputes, it never sees garbage. A promotion
+never evicts a chunk the same request's lookups already found or promoted: a prefix larger than
+the room ends where the room does (the rest recomputes) instead of evicting itself in a loop.
+
+Write policies (a tier's ``write_policy``; the books are kept by ``kvtier.policies.write``):
+
+* ``write_through`` (default): a stored chunk is cascaded to the tier at ``complete_store``.
+* ``write_back``: the chunk is *dirty* for the tier and written when the host tier needs its slot.
+  The manager holds one read pin on a dirty chunk, so it is never evicted, until every
+  write-back tier has settled it. When ``prepare_store`` (or a promotion's allocation) finds no
+  chunk to evict (the chunks of the request's own prefix do not count), the manager starts the
+  write-back of the least recently hit dirty chunks, as many as the allocation lacks beyond the
+  write-backs already in flight (at most
+  ``WRITE_BACK_BATCH``), and answers ``None`` (a lookup answers ``RETRY`` while write-backs are in
+  flight): the caller retries, and a chunk is evictable as soon as its write-backs are settled.
+  A write-back that fails (a tier error, a full queue, the engine closing) or that back-pressure
+  sheds settles the chunk for that tier all the same: the tier does not have it (a later load
+  from it misses), it is counted (``write_backs_failed``/``write_backs_skipped``) and never
+  retried. :meth:`TieringManager.flush_write_back` starts the write-back of every dirty chunk (the
+  engine calls it before draining). ``reset_cache`` drops dirty chunks with the rest of host
+  memory: they are lost to the write-back tiers (counted as ``write_backs_dropped``, logged), so
+  the engine flushes and drains before it resets.
+* ``selective``: the chunk is written to the tier once requests have hit it ``min_hits`` times
+  while it is in host memory (``prepare_load``/``touch`` of a request; one hit per request and
+  chunk; cascades are no hits); a chunk evicted before that never reaches the tier.
+
+Write policies govern the cascades of stored chunks. A promoted chunk is cascaded to no tier
+(whatever the policies), and a ``REQUEST_LEVEL`` tier gets the chunks of the requests that asked
+for them at once, whatever its policy.
 
 Back-pressure: a tier configured with a ``backpressure`` detector (``kvtier.backpressure``) is
 asked before each store job to it; a store it sheds creates no job and pins nothing (the host
@@ -31,11 +59,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvtier.config.tiers import SELECTIVE, WRITE_BACK, WRITE_THROUGH
 from kvtier.context import RequestContext
+from kvtier.policies.write import WriteLedger, WritePolicy, WriteTierStatistics
 from kvtier.stats import LATENCY_BUCKETS, Histogram, HistogramSnapshot
 from kvtier.tiers.base import ParentManager
 from kvtier.types import CacheHitSource, LookupResult, OffloadingEvent, OffloadPolicy
@@ -50,6 +80,7 @@ __all__ = [
     "ManagerStatistics",
     "JobsInFlight",
     "PRIMARY_LABEL",
+    "WRITE_BACK_BATCH",
 ]
 
 logger = logging.getLogger("kvtier.manager")
@@ -57,6 +88,8 @@ logger = logging.getLogger("kvtier.manager")
 PRIMARY_LABEL = "0:primary"
 #: Store failure reasons that say nothing about the tier's health (the engine is closing).
 _NOT_TIER_FAILURES = frozenset({"closed", "cancelled"})
+#: Most chunks of one write-back job, and most write-backs one allocation starts.
+WRITE_BACK_BATCH = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +113,8 @@ class ManagerStatistics:
     backpressure_blocks_dropped: dict[str, int] = field(default_factory=dict)
     backpressure_store_latency_ema: dict[str, float] = field(default_factory=dict)  # s/MiB
     backpressure_active: dict[str, bool] = field(default_factory=dict)
+    #: Each tier's write policy and what it wrote (every tier listed).
+    write_policies: dict[str, WriteTierStatistics] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +139,8 @@ class _JobRecord:
     created: float
     #: Submit time on the tier's back-pressure detector clock (store jobs of a tier that has one).
     bp_submitted: float | None = None
+    #: The write policy a store job carries out (``None``: a job the tier made itself).
+    write: str | None = None
 
 
 @dataclass(slots=True)
@@ -119,6 +156,9 @@ class _RequestState:
     pending_primary_stores: int = 0
     is_finished: bool = False
     load_sources: dict[bytes, int] = field(default_factory=dict)
+    #: Chunks this request's lookups found in host memory or started promoting: a promotion of the
+    #: same request never evicts them (a prefix larger than the room would evict itself in a loop).
+    prefix: set[bytes] = field(default_factory=set)
     #: Tiers that asked for every chunk of this request (OffloadPolicy.REQUEST_LEVEL).
     request_level_tiers: tuple[int, ...] = ()
     #: Chunks the host tier held when offered but still being written (HIT_PENDING): cascaded to
@@ -149,6 +189,7 @@ class TieringManager:
         #: Per tier: a failure trip was reported and no store has succeeded since (its probes,
         #: let through by idle decay and failing again, are not re-reported).
         self._bp_failing = [False] * len(self.tiers)
+        self._write = WriteLedger([WritePolicy.of(getattr(tier, "config", None)) for tier in self.tiers])
         self._job_ids = itertools.count()
         self._jobs: dict[tuple[int, int], _JobRecord] = {}
         self._pending: dict[tuple[int, str], _PendingPromotion] = {}
@@ -223,6 +264,8 @@ class TieringManager:
             self._primary_lookups += 1
             self._primary_hits += hit
         if hit:
+            if self.tiers:
+                self._state(ctx).prefix.add(key)
             return result
         if self._promotions_held or not self.tiers:
             return LookupResult.MISS
@@ -234,25 +277,35 @@ class TieringManager:
                 continue
             verdict = tier.lookup(key, ctx)
             if verdict is LookupResult.HIT:
-                if self._initiate_promotion(idx, key, ctx):
-                    return LookupResult.HIT_PENDING
-                return LookupResult.MISS
+                return self._initiate_promotion(idx, key, ctx)
             if verdict is LookupResult.RETRY:
                 any_retry = True
         return LookupResult.RETRY if any_retry else LookupResult.MISS
 
-    def _initiate_promotion(self, tier_idx: int, key: bytes, ctx: RequestContext) -> bool:
-        out = self.host.prepare_write([key], ctx)
+    def _initiate_promotion(self, tier_idx: int, key: bytes, ctx: RequestContext) -> LookupResult:
+        """HIT_PENDING: a slot is allocated for the promotion. RETRY: no room, but write-backs in
+        flight will make some. MISS: no room."""
+        prefix = self._state(ctx).prefix
+        out = self.host.prepare_write([key], ctx, protect=prefix)
+        if out is None and self._write.num_cleaning:
+            # Write-backs reported since the last poll may have made room; answering RETRY on
+            # their account would wait for a wake-up that has already happened.
+            self._collect_results()
+            out = self.host.prepare_write([key], ctx, protect=prefix)
+        if out is None and self._start_write_backs([key], prefix):
+            out = self.host.prepare_write([key], ctx, protect=prefix)
         if out is None or not out.keys_to_store:
             self._promotion_alloc_failures += 1
-            return False
+            return LookupResult.RETRY if out is None and self._write.num_cleaning else LookupResult.MISS
+        self._write.evicted(out.evicted_keys)
         pending = self._pending.get((tier_idx, ctx.req_id))
         if pending is None:
             pending = self._pending[(tier_idx, ctx.req_id)] = _PendingPromotion(ctx)
         pending.keys.append(key)
         pending.slot_ids.append(out.slot_ids[0])
         self._state(ctx).load_sources[key] = tier_idx
-        return True
+        prefix.add(key)
+        return LookupResult.HIT_PENDING
 
     def get_load_source(self, key: bytes, ctx: RequestContext) -> str:
         """Label of the tier that supplied ``key`` to this request (``"0:primary"`` for host hits)."""
@@ -268,26 +321,44 @@ class TieringManager:
         return CacheHitSource.HOST
 
     def prepare_load(self, keys: Sequence[bytes], ctx: RequestContext) -> list[int]:
-        """Pin ``keys`` (all must be ``HIT``) and return their host slots, co-indexed with ``keys``."""
-        return self.host.prepare_load(keys, ctx)
+        """Pin ``keys`` (all must be ``HIT``) and return their host slots, co-indexed with ``keys``.
+
+        A hit of the request on each key (write policies: see the module docstring)."""
+        slot_ids = self.host.prepare_load(keys, ctx)
+        self._count_hits(keys, ctx)
+        return slot_ids
 
     def complete_load(self, keys: Sequence[bytes], ctx: RequestContext) -> None:
         """Unpin keys pinned by :meth:`prepare_load` once their bytes reached the device."""
         self.host.complete_load(keys)
 
     def touch(self, keys: Sequence[bytes], ctx: RequestContext) -> None:
+        """Mark ``keys`` recently used by the request, everywhere; a hit on those in host memory."""
         self.host.touch(keys, ctx)
         for tier in self.tiers:
             tier.touch(keys, ctx)
+        self._count_hits(keys, ctx)
+
+    def _count_hits(self, keys: Sequence[bytes], ctx: RequestContext) -> None:
+        """Dirty chunks hit become the most recent; selective tiers get the chunks now due to them."""
+        if not self._write.defers_writes:
+            return
+        for idx, due in self._write.hit(keys, ctx).items():
+            submitted = self._submit_cascade(idx, due, ctx, SELECTIVE)
+            if len(submitted) < len(due):
+                self._write.selective_skipped(idx, len(due) - len(submitted))
 
     # ------------------------------------------------------------------ store path
     def prepare_store(self, keys: Sequence[bytes], ctx: RequestContext) -> PrepareStoreOutput | None:
         """Allocate host slots for the keys not yet held. ``None``: no room now; retry later."""
         self.poll()
         out = self.host.prepare_store(keys, ctx)
+        if out is None and self._start_write_backs(keys):
+            out = self.host.prepare_store(keys, ctx)  # write-backs shed at once made room
         if out is None:
             self._store_alloc_failures += 1
             return None
+        self._write.evicted(out.evicted_keys)
         if out.keys_to_store:
             self._state(ctx).pending_primary_stores += 1
         state = self._requests.get(ctx.req_id)
@@ -310,35 +381,92 @@ class TieringManager:
         return out
 
     def complete_store(self, keys: Sequence[bytes], ctx: RequestContext, success: bool = True) -> None:
-        """Publish stored keys (or release them on failure) and cascade them to every tier."""
+        """Publish stored keys (or release them on failure) and cascade them to every tier (to the
+        write-back and selective ones when their policy says so)."""
         self.host.complete_store(keys, success)
         if success and keys:
             state = self._requests.get(ctx.req_id)
             request_level = state.request_level_tiers if state is not None else ()
+            deferred: list[int] = []
             for idx, tier in enumerate(self.tiers):
                 if tier.request_level_only and idx not in request_level:
                     continue
-                self._submit_cascade(idx, list(keys), ctx)
+                if idx in request_level or not self._write.deferred(idx):
+                    self._submit_cascade(idx, list(keys), ctx)
+                else:
+                    deferred.append(idx)
+            if deferred:
+                ready = [k for k in dict.fromkeys(keys) if self.host.lookup(k) is LookupResult.HIT]
+                dirty = self._write.stored(ready, deferred)
+                if dirty:
+                    self.host.prepare_read(dirty)  # the hold that keeps a dirty chunk from eviction
         state = self._requests.get(ctx.req_id)
         if state is not None and state.pending_primary_stores > 0:
             state.pending_primary_stores -= 1
             self._maybe_finalize(state)
 
-    def _submit_cascade(self, tier_idx: int, keys: list[bytes], ctx: RequestContext | None) -> None:
+    def _submit_cascade(self, tier_idx: int, keys: list[bytes], ctx: RequestContext | None,
+                        write: str = WRITE_THROUGH) -> list[bytes]:
+        """Submit one store job of the ``keys`` ready in host memory; returns them (``[]``: none
+        ready, or back-pressure shed the job)."""
         from kvtier.tiers.base import TransferJob
 
         ready = [k for k in keys if self.host.lookup(k) is LookupResult.HIT]
         if not ready:
-            return
+            return []
         detector = self._detectors[tier_idx]
         if detector is not None and not self._admit_store(tier_idx, detector, len(ready)):
-            return  # shed: no job, no pin
+            return []  # shed: no job, no pin
         slot_ids = self.host.prepare_read(ready)
         job = TransferJob(next(self._job_ids), ready, slot_ids, is_promotion=False, ctx=ctx)
         self._jobs[(tier_idx, job.job_id)] = _JobRecord(
-            tier_idx, ready, False, job.submit_time, detector.clock() if detector is not None else None
+            tier_idx, ready, False, job.submit_time, detector.clock() if detector is not None else None, write
         )
         self.tiers[tier_idx].submit_store(job)
+        return ready
+
+    # ------------------------------------------------------------------ write-back
+    def _start_write_backs(self, keys: Sequence[bytes], protect: Collection[bytes] = ()) -> bool:
+        """An allocation for ``keys`` found no room: start the write-back of the least recently
+        hit dirty chunks, as many as it lacks beyond the write-backs in flight. True when some
+        chunk became evictable at once (its write-backs were shed): the caller tries again."""
+        if not self._write.num_dirty:
+            return False
+        lacking = sum(1 for k in dict.fromkeys(keys) if self.host.lookup(k) is LookupResult.MISS)
+        # The offered keys (and a promoting request's own prefix) are never evicted for them:
+        # their slots do not count.
+        evictable = self.host.evictable_slots - self.host.count_evictable({*keys, *protect})
+        lacking -= self.host.free_slots + evictable + self._write.num_cleaning
+        if lacking <= 0:
+            return False
+        return self._submit_write_backs(self._write.take_dirty(min(lacking, WRITE_BACK_BATCH), reason="evict"))
+
+    def _submit_write_backs(self, by_tier: dict[int, list[bytes]]) -> bool:
+        """Submit the write-backs taken from the ledger; True when some chunk is clean at once."""
+        freed = False
+        for idx, keys in by_tier.items():
+            for start in range(0, len(keys), WRITE_BACK_BATCH):
+                part = keys[start:start + WRITE_BACK_BATCH]
+                submitted = set(self._submit_cascade(idx, part, None, WRITE_BACK))
+                if len(submitted) < len(part):
+                    clean = self._write.settled(idx, [k for k in part if k not in submitted], "skipped")
+                    if clean:
+                        self.host.complete_read(clean)
+                        freed = True
+        return freed
+
+    def flush_write_back(self) -> int:
+        """Start the write-back of every dirty chunk now (jobs of at most ``WRITE_BACK_BATCH``
+        chunks); returns how many chunks. Never blocks: wait for :attr:`jobs_in_flight` to drain."""
+        num_chunks = self._write.num_dirty
+        if num_chunks:
+            self._submit_write_backs(self._write.take_dirty(None, reason="flush"))
+        return num_chunks
+
+    def dirty_chunks_by_tier(self) -> dict[str, int]:
+        """Per write-back tier label: chunks in host memory whose write-back to it has not started
+        (what :meth:`flush_write_back` would start; ``statistics()`` counts those in flight too)."""
+        return {self._labels[idx]: n for idx, n in self._write.unstarted_by_tier().items()}
 
     # ------------------------------------------------------------------ back-pressure
     def _admit_store(self, tier_idx: int, detector: BackpressureDetector, num_chunks: int) -> bool:
@@ -470,13 +598,16 @@ class TieringManager:
     def poll(self) -> None:
         """Process every finished tier job: complete promotions, unpin cascades. Never blocks."""
         self._polled_this_step = True
-        for idx, tier in enumerate(self.tiers):
-            for result in tier.get_finished_jobs():
-                self._process_result(idx, result)
+        self._collect_results()
         for idx in self._serving_tiers:
             self.tiers[idx].serve_external_requests(_TierFacingParent(self, idx))
         if self._promotions_held and not self._jobs and not self._pending:
             self._promotions_held = False
+
+    def _collect_results(self) -> None:
+        for idx, tier in enumerate(self.tiers):
+            for result in tier.get_finished_jobs():
+                self._process_result(idx, result)
 
     def _process_result(self, tier_idx: int, result: JobResult) -> None:
         record = self._jobs.pop((tier_idx, result.job_id), None)
@@ -507,6 +638,12 @@ class TieringManager:
             if not result.success:
                 self._cascade_failures[label] += 1
             self._feed_backpressure(tier_idx, record, result)
+            if record.write == WRITE_BACK:
+                clean = self._write.settled(tier_idx, record.keys, "written" if result.success else "failed")
+                if clean:
+                    self.host.complete_read(clean)  # the dirty hold: the chunk is evictable now
+            elif record.write is not None and result.success:
+                self._write.count_written(tier_idx, record.write, len(record.keys))
 
     def has_pending_work(self) -> bool:
         return bool(self._jobs or self._pending or self.needs_step_end()) or any(
@@ -556,7 +693,8 @@ class TieringManager:
         Precondition: no tier job is in flight (the engine drains them first, see
         ``Engine.reset_cache``) — a late promotion could otherwise write a freed slot. Pending,
         unsubmitted promotions are dropped. With secondary tiers, promotions stay held (host
-        misses answer ``MISS``) until :meth:`on_reset_flushed`.
+        misses answer ``MISS``) until :meth:`on_reset_flushed`. Dirty chunks (write-back) are
+        dropped unwritten, counted and logged: flush and drain first to keep them.
         """
         self.poll()
         if self._jobs:
@@ -567,6 +705,9 @@ class TieringManager:
             state.pending_primary_stores = 0
         self._requests = {rid: s for rid, s in self._requests.items() if not s.is_finished}
         self.host.reset_cache()
+        for idx, dropped in sorted(self._write.clear().items()):
+            logger.warning("reset_cache: %d chunks not yet written to write-back tier %s are dropped",
+                           dropped, self._labels[idx])
         for idx, detector in enumerate(self._detectors):
             if detector is not None:
                 detector.reset()
@@ -621,6 +762,7 @@ class TieringManager:
             backpressure_blocks_dropped=dict(self._bp_blocks_dropped),
             backpressure_store_latency_ema=ema,
             backpressure_active=active,
+            write_policies={label: self._write.statistics(idx) for idx, label in enumerate(self._labels)},
         )
 
 

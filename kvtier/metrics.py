@@ -9,13 +9,13 @@ engine nothing between scrapes and two engines in one process never share a seri
 Naming: a metric vLLM also has keeps vLLM's name with ``vllm:`` replaced by ``kvtier_``
 (``vllm:kv_offload_tiering_chunk_queries`` ↦ ``kvtier_kv_offload_tiering_chunk_queries``), so
 dashboards port with a prefix change. kvtier-only metrics are ``kvtier_tier_*`` (per tier, label
-``tier``), ``kvtier_host_*`` and ``kvtier_events_*``. Counters are exported from cumulative values
-(``_total`` suffix on the wire). The ``tier`` label is ``0:primary`` for the host tier and the
-tier's label (``1:fs``) for secondary tiers. ``docs/metrics.md`` lists every metric.
+``tier``), ``kvtier_host_*``, ``kvtier_events_*`` and the warm-up's ``kvtier_prefetch*``.
+Counters are exported from cumulative values (``_total`` suffix on the wire). The ``tier`` label
+is ``0:primary`` for the host tier and the tier's label (``1:fs``) for secondary tiers. ``docs/metrics.md`` lists every metric.
 
 Sources are duck-typed: the collector reads snapshot attributes by name, so the snapshot classes
 (``HostStatistics``, ``TierStatistics``, ``ManagerStatistics``, ``CopyStatistics``,
-``PublisherStatistics``) stay owned by their modules.
+``PublisherStatistics``, ``PrefetchStatistics``) stay owned by their modules.
 """
 
 from __future__ import annotations
@@ -152,6 +152,8 @@ class _Collector:
             ("copies", o._copies, self._copy),
             ("tier", o._tiers, self._tier),
             ("publisher", o._publishers, self._publisher),
+            ("prefetch", o._prefetches, self._prefetch),
+            ("warmup", o._warmups, self._warmup),
         ):
             for source in list(sources):
                 try:
@@ -255,6 +257,39 @@ class _Collector:
             fam = make(name, doc, ["tier"])
             for label, value in sorted(dict(values).items()):
                 fam.add_metric([label], float(value))
+        policies = _field(s, "write_policies", default=None)
+        if policies:
+            self._write_policies(f, dict(policies))
+
+    def _write_policies(self, f: _Families, policies: dict[str, Any]) -> None:
+        info = f.gauge("kvtier_tier_write_policy_info", "1 for the write policy of each secondary tier.",
+                       ["tier", "policy"])
+        written = f.counter("kvtier_tier_write_policy_chunks_written",
+                            "Chunks written to the tier, by the policy that wrote them.", ["tier", "policy"])
+        dirty = f.gauge("kvtier_tier_write_back_dirty_chunks",
+                        "Chunks in host memory not yet written to a write-back tier.", ["tier"])
+        started = f.counter("kvtier_tier_write_backs_started", "Write-backs started, by cause.", ["tier", "cause"])
+        unwritten = f.counter("kvtier_tier_write_backs_unwritten",
+                              "Write-backs that left the chunk out of the tier, by reason.", ["tier", "reason"])
+        waiting = f.gauge("kvtier_tier_selective_unwritten_chunks",
+                          "Chunks in host memory hit fewer than min_hits times (not yet written to a selective tier).",
+                          ["tier"])
+        evicted = f.counter("kvtier_tier_selective_evicted_unwritten",
+                            "Chunks that left host memory before a selective tier received them.", ["tier"])
+        for label, w in sorted(policies.items()):
+            info.add_metric([label, w.policy], 1)
+            for policy, count in (("write_through", w.chunks_written_through), ("write_back", w.chunks_written_back),
+                                  ("selective", w.chunks_written_selective)):
+                written.add_metric([label, policy], count)
+            if w.policy == "write_back":
+                dirty.add_metric([label], w.dirty_chunks)
+                started.add_metric([label, "evict"], w.write_backs_evict)
+                started.add_metric([label, "flush"], w.write_backs_flush)
+                for reason in ("failed", "skipped", "dropped"):
+                    unwritten.add_metric([label, reason], getattr(w, f"write_backs_{reason}"))
+            if w.policy == "selective":
+                waiting.add_metric([label], w.selective_unwritten)
+                evicted.add_metric([label], w.selective_evicted_unwritten)
 
     # -- device copies ----------------------------------------------------------------------
 
@@ -386,6 +421,37 @@ class _Collector:
         replays.add_metric(["malformed"], s.replay_requests_malformed)
 
 
+    # -- warm-up (Engine.prefetch) -----------------------------------------------------------
+
+    def _prefetch(self, f: _Families, s: Any) -> None:
+        f.counter("kvtier_prefetch_requests", "Engine.prefetch calls.").add_metric([], s.requests)
+        chunks = f.counter("kvtier_prefetched_chunks",
+                           "Chunks prefetches promoted into host memory, by source tier.", ["tier"])
+        for label, count in sorted(dict(s.chunks).items()):
+            chunks.add_metric([label], count)
+        f.counter("kvtier_prefetched_tokens",
+                  "Prompt tokens prefetches made loadable from host memory.").add_metric([], s.tokens)
+        f.counter("kvtier_prefetch_hits",
+                  "Prefetched chunks a load then placed on the device.").add_metric([], s.hits)
+        f.counter("kvtier_prefetch_wasted",
+                  "Prefetched chunks evicted from host memory before any load used them.").add_metric([], s.wasted)
+
+
+    # -- warm-up endpoint ---------------------------------------------------------------------
+
+    def _warmup(self, f: _Families, s: Any) -> None:
+        requests = f.counter("kvtier_warmup_requests", "Warm-up endpoint requests, by outcome (ok or the error code).",
+                             ["outcome"])
+        requests.add_metric(["ok"], s.ok)
+        for code, count in sorted(dict(s.refused).items()):
+            requests.add_metric([code], count)
+        f.gauge("kvtier_warmup_in_flight", "Warm-up requests being served.").add_metric([], s.in_flight)
+        refused = f.counter("kvtier_warmup_connections_refused",
+                            "Warm-up connections refused by CurveZMQ, by reason.", ["reason"])
+        for reason, count in sorted(dict(s.connections_refused).items()):
+            refused.add_metric([reason], count)
+
+
 def _labels_of(family: Metric) -> list[str]:
     # prometheus_client keeps a family's label names privately; compare through what it exposes.
     return list(getattr(family, "_labelnames", ()))
@@ -407,6 +473,8 @@ class EngineMetrics:
         self._managers: list[StatisticsSource] = []
         self._copies: list[StatisticsSource] = []
         self._publishers: list[StatisticsSource] = []
+        self._prefetches: list[StatisticsSource] = []
+        self._warmups: list[StatisticsSource] = []
         self.registry.register(_Collector(self))  # type: ignore[arg-type]
 
     def add_host(self, source: StatisticsSource) -> None:
@@ -423,6 +491,14 @@ class EngineMetrics:
 
     def add_publisher(self, source: StatisticsSource) -> None:
         self._publishers.append(source)
+
+    def add_prefetch(self, source: StatisticsSource) -> None:
+        """The engine's prefetch counters (``kvtier.engine.prefetch_tracker.PrefetchStatistics``)."""
+        self._prefetches.append(source)
+
+    def add_warmup(self, source: StatisticsSource) -> None:
+        """The warm-up endpoint's counters (``kvtier.engine.warm_server.WarmupStatistics``)."""
+        self._warmups.append(source)
 
     def render(self) -> bytes:
         """The text exposition format of this engine's registry."""

@@ -139,3 +139,17 @@ async def test_serving_a_peer_uses_the_stack_minus_the_serving_tier() -> None:
         assert manager.host.statistics().pinned_slots == 0
         with pytest.raises(ValueError, match="not ready"):
             manager.create_store_job(1, [key(99)], RequestContext("x"))
+
+
+@pytest.mark.anyio
+async def test_a_request_level_tier_gets_its_requests_chunks_at_once_whatever_its_write_policy() -> None:
+    tiers = [{"type": "memory", "capacity_bytes": 1 << 20, "write_policy": "write_back"},
+             {**producer_tier(), "write_policy": "write_back"}]
+    async with stack(tiers) as manager:
+        plain, producer = manager.tiers
+        await offer(manager, [key(1), key(2)], {"producer": 1})
+        assert sorted(k for job in producer.stored_jobs for k in job) == [key(1), key(2)]
+        assert plain.statistics().bytes_written == 0  # chunk-level write-back: written later
+        assert manager.dirty_chunks_by_tier() == {"1:memory": 2, "2:ProducerTier": 0}
+        await offer(manager, [key(3)])  # an ordinary request: the producer tier does not want it
+        assert manager.dirty_chunks_by_tier() == {"1:memory": 3, "2:ProducerTier": 0}

@@ -263,3 +263,18 @@ def test_metrics_are_served_over_http_and_the_server_closes(engine_metrics: Engi
     assert value(p, "kvtier_kv_offload_tiering_chunk_hits_total", tier="1:fs") == 20
     assert value(p, "kvtier_kv_offload_tiering_chunk_queries_total", tier="0:primary") == 200
     assert not server._thread.is_alive()
+
+
+def test_prefetch_counters_are_exported_with_the_source_tier_label() -> None:
+    from kvtier.engine.prefetch_tracker import PrefetchStatistics
+
+    m = EngineMetrics()
+    m.add_prefetch(Source(PrefetchStatistics(requests=5, chunks={"1:fs": 12, "2:obj": 3}, tokens=240, hits=9,
+                                             wasted=2)))
+    p = samples(m.render())
+    assert value(p, "kvtier_prefetch_requests_total") == 5
+    assert value(p, "kvtier_prefetched_chunks_total", tier="1:fs") == 12
+    assert value(p, "kvtier_prefetched_chunks_total", tier="2:obj") == 3
+    assert value(p, "kvtier_prefetched_tokens_total") == 240
+    assert value(p, "kvtier_prefetch_hits_total") == 9
+    assert value(p, "kvtier_prefetch_wasted_total") == 2

@@ -15,6 +15,13 @@ a recurrent layer: ``kvtier.bench.hybrid``) and, for every strategy, its full-at
 (``<strategy>/twin``); the report sets the bytes each loaded per hit token, and their TTFTs,
 side by side. Its device pool has no prefix cache, so ``--device-conversations`` and
 ``--layerwise`` do not apply to it.
+
+``--warmup`` adds, for every strategy with a secondary tier, ``<strategy>/warmup``: before each
+request it starts ``engine.prefetch`` of the next request's prefix in the background, as a
+router would, and the report sets the TTFTs with and without side by side. ``--write-policies``
+adds ``<strategy>/write_back`` and ``<strategy>/selective`` (``write_policy`` on every secondary
+tier) and reports the bytes the secondary tiers wrote during the run and the throughput against
+write-through.
 """
 
 from __future__ import annotations
@@ -148,6 +155,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also run every kvtier strategy with layer-wise loading (engine.load_layerwise: "
                    "layer i computes while layer i+1 loads), as '<strategy>/layerwise', and report the "
                    "TTFT with and without it")
+    p.add_argument("--warmup", action="store_true",
+                   help="also run every strategy with a secondary tier warming each next request's prefix "
+                   "(engine.prefetch while the current request computes), as '<strategy>/warmup', and report "
+                   "the TTFT with and without it")
+    p.add_argument("--write-policies", action="store_true",
+                   help="also run every strategy with a secondary tier with write_policy write_back and "
+                   "selective, as '<strategy>/write_back' and '<strategy>/selective', and report the bytes "
+                   "written to the secondary tiers and the throughput against write_through")
     p.add_argument("--conversations", type=_conversation_counts,
                    help="sweep, e.g. 2,4,8 (distinct counts; default 1,2,4,8,12, with --quick 2,4,8)")
     p.add_argument("--rounds", type=_non_negative_int, help="turns after the first prompt")
@@ -201,7 +216,14 @@ def _make_plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
 
     from kvtier.bench.hybrid import HybridConfig
     from kvtier.bench.model import ModelConfig
-    from kvtier.bench.runner import BenchPlan, Strategy, builtin_strategies, default_capacities, hybrid_capacities
+    from kvtier.bench.runner import (
+        WRITE_POLICIES,
+        BenchPlan,
+        Strategy,
+        builtin_strategies,
+        default_capacities,
+        hybrid_capacities,
+    )
     from kvtier.bench.workload import WorkloadSpec
 
     hybrid = args.model == "hybrid"
@@ -237,6 +259,14 @@ def _make_plan(args: argparse.Namespace) -> tuple[Any, dict[str, Any]]:
         if not layerwise:
             raise ValueError("--layerwise: no kvtier strategy to load layer-wise (only recompute was chosen)")
         strategies += layerwise
+    with_tiers = [s for s in strategies if s.secondary_tiers and not s.layerwise]
+    if (args.warmup or args.write_policies) and not with_tiers:
+        flag = "--warmup" if args.warmup else "--write-policies"
+        raise ValueError(f"{flag}: no strategy with a secondary tier (e.g. cpu+fs) was chosen")
+    if args.warmup:
+        strategies += [s.with_warmup() for s in with_tiers]
+    if args.write_policies:
+        strategies += [s.with_write_policy(policy) for s in with_tiers for policy in WRITE_POLICIES]
     if args.fs_root is not None and not os.path.isdir(args.fs_root):
         raise ValueError(f"--fs-root {args.fs_root!r} is not a directory")
     fs_root = os.path.abspath(args.fs_root) if args.fs_root is not None else None  # printed, when kept
@@ -372,8 +402,12 @@ def _run(args: argparse.Namespace, plan: Any, describe: dict[str, Any], out: Tex
         layerwise_lines,
         twin_comparison,
         twin_lines,
+        warmup_comparison,
+        warmup_lines,
         write_chart,
         write_json,
+        write_policy_comparison,
+        write_policy_lines,
     )
     from kvtier.bench.runner import LogitsMismatch, capacity_markers, capacity_tokens, run_plan
 
@@ -427,6 +461,12 @@ def _run(args: argparse.Namespace, plan: Any, describe: dict[str, Any], out: Tex
     if args.layerwise:
         summary["layerwise"] = layerwise_comparison(results)
         summary["lines"] += layerwise_lines(summary["layerwise"])
+    if args.warmup:
+        summary["warmup"] = warmup_comparison(results)
+        summary["lines"] += warmup_lines(summary["warmup"])
+    if args.write_policies:
+        summary["write_policies"] = write_policy_comparison(results)
+        summary["lines"] += write_policy_lines(summary["write_policies"])
     for line in summary["lines"]:
         print(line, file=out)
     if args.keep_fs_dirs:

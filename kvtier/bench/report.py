@@ -16,7 +16,15 @@ from typing import Any, TextIO
 
 from kvtier.bench.hybrid import HybridConfig
 from kvtier.bench.model import LLAMA_8B_FLOPS_PER_TOKEN, LLAMA_8B_KV_BYTES_PER_TOKEN, ModelConfig
-from kvtier.bench.runner import DEVICE_LABEL, LAYERWISE_SUFFIX, RECOMPUTE_LABEL, TWIN_SUFFIX, RunResult
+from kvtier.bench.runner import (
+    DEVICE_LABEL,
+    LAYERWISE_SUFFIX,
+    RECOMPUTE_LABEL,
+    TWIN_SUFFIX,
+    WARMUP_SUFFIX,
+    WRITE_POLICIES,
+    RunResult,
+)
 
 __all__ = [
     "Progress",
@@ -248,12 +256,22 @@ def layerwise_comparison(results: Sequence[RunResult]) -> list[dict[str, Any]]:
     "ratio"}}`` for each of :data:`LAYERWISE_TTFTS`; ``ratio`` is with / without (below 1:
     layer-wise loading is faster), ``None`` when there is nothing to compare (no kvtier hit).
     """
+    return _with_without(results, LAYERWISE_SUFFIX)
+
+
+def warmup_comparison(results: Sequence[RunResult]) -> list[dict[str, Any]]:
+    """TTFT of each ``<strategy>/warmup`` row next to its ``<strategy>`` row, as
+    :func:`layerwise_comparison` (below 1: warming the next request's prefix made it faster)."""
+    return _with_without(results, WARMUP_SUFFIX)
+
+
+def _with_without(results: Sequence[RunResult], suffix: str) -> list[dict[str, Any]]:
     rows = {(r.strategy, r.conversations): r for r in results}
     out: list[dict[str, Any]] = []
     for r in results:
-        if not r.strategy.endswith(LAYERWISE_SUFFIX):
+        if not r.strategy.endswith(suffix):
             continue
-        base = rows.get((r.strategy[: -len(LAYERWISE_SUFFIX)], r.conversations))
+        base = rows.get((r.strategy[: -len(suffix)], r.conversations))
         if base is None:
             continue
         row: dict[str, Any] = {"strategy": base.strategy, "conversations": r.conversations,
@@ -268,9 +286,18 @@ def layerwise_comparison(results: Sequence[RunResult]) -> list[dict[str, Any]]:
 
 def layerwise_lines(comparison: Sequence[Mapping[str, Any]]) -> list[str]:
     """The comparison as printed lines (TTFT in ms, without -> with, and the ratio)."""
+    return with_without_lines(comparison, "layer-wise loading")
+
+
+def warmup_lines(comparison: Sequence[Mapping[str, Any]]) -> list[str]:
+    """:func:`warmup_comparison` as printed lines."""
+    return with_without_lines(comparison, "warm-up of the next request's prefix")
+
+
+def with_without_lines(comparison: Sequence[Mapping[str, Any]], what: str) -> list[str]:
     if not comparison:
         return []
-    lines = ["layer-wise loading, TTFT without -> with (ratio; below 1 is faster):"]
+    lines = [f"{what}, TTFT without -> with (ratio; below 1 is faster):"]
     labels = {"ttft_p50_s": "p50", "ttft_mean_s": "mean", "ttft_kvtier_hit_mean_s": "mean of kvtier hits"}
     for row in comparison:
         parts = []
@@ -283,6 +310,49 @@ def layerwise_lines(comparison: Sequence[Mapping[str, Any]]) -> list[str]:
         hits = row["kvtier_hit_requests"]
         lines.append(f"  {row['strategy']} x{row['conversations']} ({hits} requests hit kvtier): "
                      + (", ".join(parts) or "no request to compare"))
+    return lines
+
+
+def write_policy_comparison(results: Sequence[RunResult]) -> list[dict[str, Any]]:
+    """Each ``<strategy>/<policy>`` row (``WRITE_POLICIES``) next to its write-through ``<strategy>``
+    row: bytes the secondary tiers wrote during the run and throughput, with ratios policy / base."""
+    rows = {(r.strategy, r.conversations): r for r in results}
+    out: list[dict[str, Any]] = []
+    for r in results:
+        base_name, _, policy = r.strategy.rpartition("/")
+        if policy not in WRITE_POLICIES:
+            continue
+        base = rows.get((base_name, r.conversations))
+        if base is None:
+            continue
+        out.append({
+            "strategy": base_name, "policy": policy, "conversations": r.conversations,
+            "bytes_written": {"write_through": base.bytes_written, policy: r.bytes_written,
+                              "ratio": r.bytes_written / base.bytes_written if base.bytes_written else None},
+            "throughput_tokens_per_s": {
+                "write_through": base.throughput_tokens_per_s, policy: r.throughput_tokens_per_s,
+                "ratio": (r.throughput_tokens_per_s / base.throughput_tokens_per_s
+                          if base.throughput_tokens_per_s else None)},
+            "hit_rate": {"write_through": base.hit_rate, policy: r.hit_rate},
+        })
+    return out
+
+
+def write_policy_lines(comparison: Sequence[Mapping[str, Any]]) -> list[str]:
+    """:func:`write_policy_comparison` as printed lines."""
+    if not comparison:
+        return []
+    lines = ["write policies against write_through (bytes written to secondary tiers during the run; tok/s):"]
+    for row in comparison:
+        policy = row["policy"]
+        written, tput = row["bytes_written"], row["throughput_tokens_per_s"]
+        ratio = "-" if written["ratio"] is None else f"{written['ratio']:.2f}x"
+        speed = "-" if tput["ratio"] is None else f"{tput['ratio']:.2f}x"
+        lines.append(
+            f"  {row['strategy']} x{row['conversations']} {policy}: written {written[policy] / 2**20:.1f} vs "
+            f"{written['write_through'] / 2**20:.1f} MiB ({ratio}), tok/s {tput[policy]:,.0f} vs "
+            f"{tput['write_through']:,.0f} ({speed}), hit rate {row['hit_rate'][policy]:.0%} vs "
+            f"{row['hit_rate']['write_through']:.0%}")
     return lines
 
 

@@ -15,6 +15,9 @@ nothing it did not create. Requests are served one at a time, like a single pref
    a *layer-wise* strategy (``Strategy.layerwise``) does steps 2 and 3 together with
    ``engine.load_layerwise``: layer ``i`` is computed as soon as its prefix KV is on the device,
    while the following layers are still being copied;
+   a *warm-up* strategy (``Strategy.warmup``) first starts, in the background, an
+   ``engine.prefetch`` of the *next* request's prefix, as a router that knows which request comes
+   next would: its promotions from slower tiers run while this request computes;
 4. ``engine.store`` offloads the prompt's complete chunks; the pool then releases the blocks.
 
 With a hybrid model (``BenchPlan.model`` a ``HybridConfig``, ``kvtier bench --model hybrid``) the
@@ -49,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.abc
 import anyio.from_thread
 import anyio.to_thread
 import torch
@@ -74,6 +78,8 @@ __all__ = [
     "RECOMPUTE_LABEL",
     "LAYERWISE_SUFFIX",
     "TWIN_SUFFIX",
+    "WARMUP_SUFFIX",
+    "WRITE_POLICIES",
 ]
 
 #: ``tokens_by_tier`` label of tokens found in the device prefix cache.
@@ -86,6 +92,12 @@ FRESH_DIR = "<fresh temporary directory>"
 LAYERWISE_SUFFIX = "/layerwise"
 #: Name suffix of a strategy run on the hybrid model's full-attention twin (``Strategy.with_twin``).
 TWIN_SUFFIX = "/twin"
+#: The host tier's label in ``engine.statistics()`` (the others are the secondary tiers').
+PRIMARY_TIER = "0:primary"
+#: Name suffix of a strategy that warms the next request's prefix (``Strategy.with_warmup``).
+WARMUP_SUFFIX = "/warmup"
+#: The write policies ``Strategy.with_write_policy`` sets on every secondary tier (name suffix ``/<policy>``).
+WRITE_POLICIES = ("write_back", "selective")
 
 # What may appear of a strategy's name (a --config file's stem, "/layerwise") in a directory name.
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.+-]")
@@ -104,12 +116,14 @@ class Strategy:
     """A named caching strategy: ``config`` is a ``kv_connector_extra_config`` dict, or ``None``
     for ``recompute`` (device prefix cache only, kvtier not used). ``layerwise`` loads with
     ``engine.load_layerwise`` and overlaps each layer's compute with the next layers' copies.
-    ``twin`` serves a hybrid plan's full-attention twin instead of the hybrid model."""
+    ``twin`` serves a hybrid plan's full-attention twin instead of the hybrid model. ``warmup``
+    prefetches each next request's prefix while the current one computes."""
 
     name: str
     config: Mapping[str, Any] | None = None
     layerwise: bool = False
     twin: bool = False
+    warmup: bool = False
 
     def with_layerwise(self) -> Strategy:
         """The same configuration loaded layer-wise, named ``<name>/layerwise``."""
@@ -120,6 +134,26 @@ class Strategy:
     def with_twin(self) -> Strategy:
         """The same strategy on the hybrid model's full-attention twin, named ``<name>/twin``."""
         return Strategy(self.name + TWIN_SUFFIX, self.config, layerwise=self.layerwise, twin=True)
+
+    def with_warmup(self) -> Strategy:
+        """The same configuration, warming each next request's prefix, named ``<name>/warmup``."""
+        if not self.secondary_tiers:
+            raise ValueError(f"strategy {self.name!r} has no secondary tier: there is nothing to warm up")
+        return Strategy(self.name + WARMUP_SUFFIX, self.config, twin=self.twin, warmup=True)
+
+    def with_write_policy(self, policy: str) -> Strategy:
+        """The same configuration with ``write_policy: policy`` on every secondary tier, named
+        ``<name>/<policy>``."""
+        if not self.secondary_tiers:
+            raise ValueError(f"strategy {self.name!r} has no secondary tier: no write policy applies")
+        assert self.config is not None
+        config = dict(self.config)
+        config["secondary_tiers"] = [{**tier, "write_policy": policy} for tier in self.secondary_tiers]
+        return Strategy(f"{self.name}/{policy}", config, twin=self.twin)
+
+    @property
+    def secondary_tiers(self) -> list[Mapping[str, Any]]:
+        return list((self.config or {}).get("secondary_tiers", ()))
 
     def resolve(self, host_bytes: int, fresh_dir: Callable[[], str]) -> dict[str, Any] | None:
         """The engine config of one run: host size filled in when absent, ``FRESH_DIR`` replaced."""
@@ -319,6 +353,9 @@ class RunResult:
     load_seconds: float = 0.0
     kvtier_tokens: int = 0
     bytes_per_hit_token: float = 0.0
+    #: Bytes every secondary tier wrote during the run (before the engine's close flushes what
+    #: is left: a write-back tier writes the rest then).
+    bytes_written: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         out = {k: v for k, v in self.__dict__.items() if k not in ("spread", "runs")}
@@ -335,7 +372,7 @@ SPREAD_FIELDS = ("throughput_tokens_per_s", "ttft_p50_s", "ttft_p90_s", "ttft_me
                  "elapsed_s")
 _RUN_FIELDS = (*SPREAD_FIELDS, "computed_tokens", "hit_rate", "tokens_by_tier",
                "checked_requests", "max_logit_error", "service_times_s", "fs_dirs", "bytes_loaded",
-               "load_seconds", "kvtier_tokens", "bytes_per_hit_token")
+               "load_seconds", "kvtier_tokens", "bytes_per_hit_token", "bytes_written")
 
 
 def aggregate_runs(runs: Sequence[RunResult]) -> RunResult:
@@ -420,6 +457,8 @@ class _Server:
         self.fs_dirs: list[str] = []  # kept ones only
         self.prompt_tokens = 0
         self.to_check: list[tuple[ChatRequest, torch.Tensor, dict[str, int]]] = []
+        #: Where a warm-up strategy's prefetches run (closed before the engine, so they end first).
+        self.background: anyio.abc.TaskGroup | None = None
 
     def open_engine(self, config: Mapping[str, Any]) -> Any:
         """``kvtier.open`` for this server's device memory (the engine's async context manager)."""
@@ -429,10 +468,13 @@ class _Server:
             return kvtier.open(config, self.pool.config.kv_model(), self.pool.device_kv())
         return kvtier.open(config, geometry_for(self.pool.config), self.pool.kv)
 
-    async def serve(self, request: ChatRequest) -> None:
-        """Prefill ``request`` (steps 1-4 of the module docstring), timing it."""
+    async def serve(self, request: ChatRequest, upcoming: ChatRequest | None = None) -> None:
+        """Prefill ``request`` (steps 1-4 of the module docstring), timing it; a warm-up strategy
+        starts the prefetch of ``upcoming`` first."""
         tokens = request.token_ids
         engine = self.engine
+        if engine is not None and self.strategy.warmup and upcoming is not None and self.background is not None:
+            self.background.start_soon(functools.partial(engine.prefetch, upcoming.token_ids[:-1]))
         t0 = time.perf_counter()
         alloc = self.pool.acquire(tokens)
         cached = alloc.cached_tokens
@@ -544,6 +586,8 @@ class _Server:
             load_seconds=float(copies.get("seconds_to_device", 0.0)),
             kvtier_tokens=kvtier_tokens,
             bytes_per_hit_token=loaded_bytes / kvtier_tokens if kvtier_tokens else 0.0,
+            bytes_written=sum(int(v.get("bytes_written", 0)) for label, v in engine_stats.items()
+                              if label[:1].isdigit() and label != PRIMARY_TIER and isinstance(v, Mapping)),
         )
 
 
@@ -591,12 +635,16 @@ async def run_point(
                 config = strategy.resolve(plan.host_bytes_of(strategy), functools.partial(fresh_dir, server))
                 if config is not None:
                     server.engine = await stack.enter_async_context(server.open_engine(config))
+                    if strategy.warmup:
+                        server.background = await stack.enter_async_context(anyio.create_task_group())
                 servers.append(server)
                 checks.append(check)
-            for i, request in enumerate(iter_requests(plan.workload, conversations)):
+            requests = list(iter_requests(plan.workload, conversations))
+            for i, request in enumerate(requests):
+                upcoming = requests[i + 1] if i + 1 < len(requests) else None
                 shift = (i + rotation) % len(servers)
                 for server in servers[shift:] + servers[:shift]:
-                    await server.serve(request)
+                    await server.serve(request, upcoming)
                     on_request(server.strategy.name)
             stats = [_summarize_stats(s.engine.statistics()) if s.engine is not None else {} for s in servers]
     # Reference recomputes run after every engine is closed: no background I/O overlaps them.

@@ -36,6 +36,11 @@ __all__ = [
     "TIER_SCHEMAS",
     "INTERNAL_TIER_TYPES",
     "BUILTIN_TIER_TYPES",
+    "WRITE_POLICIES",
+    "WRITE_THROUGH",
+    "WRITE_BACK",
+    "SELECTIVE",
+    "DEFAULT_MIN_HITS",
     "tier_option",
 ]
 
@@ -105,6 +110,15 @@ def _only_ucx(value: Any) -> str | None:
 
 _THREADS = KeySpec("int", default=16, ge=1, le=1024)
 
+#: When a chunk stored into host memory is written to a tier (``write_policy``; the tiering
+#: manager's docstring states each rule): at once, when the host tier needs its slot, or once
+#: requests have hit it ``min_hits`` times.
+WRITE_THROUGH = "write_through"
+WRITE_BACK = "write_back"
+SELECTIVE = "selective"
+WRITE_POLICIES: tuple[str, ...] = (WRITE_THROUGH, WRITE_BACK, SELECTIVE)
+DEFAULT_MIN_HITS = 2
+
 #: Keys every tier entry may carry, whatever its type.
 TIER_COMMON_SCHEMA: Mapping[str, KeySpec] = {
     "type": KeySpec("str", non_empty=True, max_len=256),
@@ -112,6 +126,8 @@ TIER_COMMON_SCHEMA: Mapping[str, KeySpec] = {
     "locality": KeySpec("locality", default=None, nullable=True),
     "enable_kv_events": KeySpec("bool", default=False),
     "backpressure": KeySpec("backpressure_override", default=None),
+    "write_policy": KeySpec("str", default=WRITE_THROUGH, choices=WRITE_POLICIES),
+    "min_hits": KeySpec("int", default=DEFAULT_MIN_HITS, ge=1, help='with write_policy "selective" only'),
 }
 
 _SECRET = KeySpec("str", default="", secret=True, max_len=4096)
@@ -227,7 +243,8 @@ class TierConfig:
     ``options`` holds the type-specific keys with defaults filled in (read-only). For an
     out-of-tree tier (``module_path`` given) they are passed through unvalidated: the tier class
     owns them. ``backpressure`` is the tier's own back-pressure dict (``None`` when absent); see
-    :meth:`EngineConfig.backpressure_for` for the merged settings.
+    :meth:`EngineConfig.backpressure_for` for the merged settings. ``write_policy`` is one of
+    :data:`WRITE_POLICIES`; ``min_hits`` matters to ``"selective"`` only.
     """
 
     index: int
@@ -237,6 +254,8 @@ class TierConfig:
     enable_kv_events: bool = False
     options: Mapping[str, Any] = field(default_factory=lambda: FrozenOptions({}))
     backpressure: Mapping[str, Any] | None = None
+    write_policy: str = WRITE_THROUGH
+    min_hits: int = DEFAULT_MIN_HITS
 
     @property
     def label(self) -> str:
@@ -256,6 +275,9 @@ class TierConfig:
         out["enable_kv_events"] = self.enable_kv_events
         if self.backpressure is not None:
             out["backpressure"] = redact_plain(self.backpressure)
+        out["write_policy"] = self.write_policy
+        if self.write_policy == SELECTIVE:
+            out["min_hits"] = self.min_hits
         out.update(redact_plain(self.options))
         return out
 
@@ -263,7 +285,8 @@ class TierConfig:
         return (
             f"TierConfig(index={self.index}, type={self.type!r}, module_path={self.module_path!r}, "
             f"locality={self.locality!r}, enable_kv_events={self.enable_kv_events}, "
-            f"options={redact_plain(self.options)!r}, backpressure={redact_plain(self.backpressure)!r})"
+            f"options={redact_plain(self.options)!r}, backpressure={redact_plain(self.backpressure)!r}, "
+            f"write_policy={self.write_policy!r}, min_hits={self.min_hits})"
         )
 
     __str__ = __repr__
@@ -300,6 +323,7 @@ class TierConfig:
         rest = {k: v for k, v in raw.items() if k not in TIER_COMMON_SCHEMA}
         common = parse_section(common_raw, TIER_COMMON_SCHEMA, path)
         type_name: str = common["type"]
+        _check_write_policy(raw, common, path)
         if common["module_path"] is not None:
             # Out-of-tree tier: the class named ``type`` in ``module_path`` owns its keys.
             options = dict(rest)
@@ -322,4 +346,18 @@ class TierConfig:
             enable_kv_events=common["enable_kv_events"],
             options=FrozenOptions(options),
             backpressure=common["backpressure"],
+            write_policy=common["write_policy"],
+            min_hits=common["min_hits"],
         )
+
+
+def _check_write_policy(raw: Mapping[str, Any], common: Mapping[str, Any], path: str) -> None:
+    """``min_hits`` only with ``"selective"``; a built-in p2p tier only writes through (it sends
+    the chunks of the requests that ask for them, at once, whatever the policy)."""
+    policy = common["write_policy"]
+    if "min_hits" in raw and policy != SELECTIVE:
+        raise invalid(join_path(path, "min_hits"), raw["min_hits"],
+                      f'no min_hits: it applies to write_policy "selective" only (this tier\'s is {policy!r})')
+    if policy != WRITE_THROUGH and common["type"] == "p2p" and common["module_path"] is None:
+        raise invalid(join_path(path, "write_policy"), raw["write_policy"],
+                      f"{WRITE_THROUGH!r}: a p2p tier sends a request's chunks when the request asks for them")

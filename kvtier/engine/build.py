@@ -2,12 +2,14 @@
 
 Semantics callers rely on:
 
-* :meth:`EngineParts.start` builds and starts, in this order, the KV-event publisher's
-  configuration (``events=``, checked before any tier opens: a tier may scan a directory or
-  probe a bucket), the host tier (its buffer allocated at once, so a size this machine cannot
-  hold fails at start-up), the copy engine (with ``device_kv``), every secondary tier, the
-  manager (the spec's), the publisher and the metrics (served when ``metrics=`` is given).
-  Each runs in the engine's task group and wakes the engine through ``wake``.
+* :meth:`EngineParts.start` builds and starts, in this order, the warm-up endpoint's and the
+  KV-event publisher's configurations (``warmup=``, ``events=``, checked before any tier opens:
+  a tier may scan a directory or probe a bucket), the host tier (its buffer allocated at once, so
+  a size this machine cannot hold fails at start-up), the copy engine (with ``device_kv``), every
+  secondary tier, the manager (the spec's), the prefetch tracker, the publisher and the metrics
+  (served when ``metrics=`` is given). Each runs in the engine's task group and wakes the engine
+  through ``wake``. The warm-up endpoint (:meth:`EngineParts.serve_warmup`) starts last, once
+  the engine can prefetch.
 * Everything wrong with the configuration is a :class:`kvtier.ConfigError` naming its key,
   raised before the engine is yielded to its caller.
 * :meth:`EngineParts.aclose` closes every component that was built, also after a start that
@@ -29,6 +31,7 @@ import anyio.abc
 from kvtier.config import EngineConfig, redact
 from kvtier.engine.copies import DeviceCopies
 from kvtier.engine.event_relay import EventRelay
+from kvtier.engine.prefetch_tracker import PrefetchTracker
 from kvtier.errors import ConfigError
 from kvtier.manager import TieringManager
 from kvtier.model import KVModel
@@ -75,13 +78,21 @@ class EngineParts:
         self.tiers: list[SecondaryTier] = []
         self.manager: TieringManager
         self.relay: EventRelay
+        self.prefetches: PrefetchTracker
         self.publisher: Any = None
         self.translator: Any = None
         self.metrics: Any = None
         self.metrics_server: Any = None
+        self.warmup_options: Any = None
+        self.warmup_server: Any = None
 
     async def start(self, tg: anyio.abc.TaskGroup, wake: Callable[[], None],
-                    events: Mapping[str, Any] | None, metrics: Mapping[str, Any] | None) -> None:
+                    events: Mapping[str, Any] | None, metrics: Mapping[str, Any] | None,
+                    warmup: Mapping[str, Any] | None = None) -> None:
+        if warmup is not None:
+            from kvtier.engine.warm_server import warmup_options  # zmq: only with warmup=
+
+            self.warmup_options = warmup_options(warmup)
         if events is not None:
             from kvtier.events import EventTranslator, publisher_from_config  # zmq: only with events=
 
@@ -106,9 +117,11 @@ class EngineParts:
             await tg.start(tier.run)
         self.manager = self.spec.create_manager(self.host, self.tiers)
         self._check_backpressure_reached_the_manager()
+        self.prefetches = PrefetchTracker(self.host, host_events=self.kv_events_enabled)
         self.relay = EventRelay(self.manager, self.publisher, self.translator,
                                 self_describing=self.config.self_describing_kv_events,
-                                model=self.model, blocks_per_chunk=self.blocks_per_chunk)
+                                model=self.model, blocks_per_chunk=self.blocks_per_chunk,
+                                prefetches=self.prefetches)
         if self.publisher is not None:
             await tg.start(self.publisher.run)
         self._setup_metrics(metrics)
@@ -205,6 +218,7 @@ class EngineParts:
             self.metrics.add_tier(tier)
         self.metrics.add_manager(self.manager)
         self.metrics.add_copies(self.copies)
+        self.metrics.add_prefetch(self.prefetches)
         if self.publisher is not None:
             self.metrics.add_publisher(self.publisher)
         if metrics is None:
@@ -227,10 +241,26 @@ class EngineParts:
                 f"{key}: cannot serve metrics on {host}:{port}: {exc.strerror or exc}"
             ) from None
 
+    async def serve_warmup(self, tg: anyio.abc.TaskGroup, engine: Any) -> None:
+        """Start the warm-up endpoint (``warmup=``), once ``engine`` can prefetch."""
+        if self.warmup_options is None:
+            return
+        from kvtier.engine.warm_server import WarmupServer  # zmq: only with warmup=
+
+        self.warmup_server = WarmupServer(engine, self.warmup_options)
+        await tg.start(self.warmup_server.run)
+        if self.metrics is not None:
+            self.metrics.add_warmup(self.warmup_server)
+
     async def aclose(self) -> None:
         """Close every component built (module docstring); shielded: it always runs to the end."""
         errors: list[BaseException] = []
         with anyio.CancelScope(shield=True):
+            if self.warmup_server is not None:
+                try:
+                    await self.warmup_server.aclose()
+                except Exception as exc:  # noqa: BLE001 - every component must be attempted
+                    errors.append(exc)
             for tier in self.tiers:
                 try:
                     await tier.aclose()

@@ -43,6 +43,7 @@ from kvtier.engine.gate import OperationGate
 from kvtier.engine.groups import resolve_hit, store_chunks
 from kvtier.engine.keying import RequestKeying, extra_keys
 from kvtier.engine.layerwise import LayerwiseLoad, check_layers_per_group
+from kvtier.engine.prefetch import Prefetcher, PrefetchOutcome, check_deadline, check_tiers
 from kvtier.engine.progress import Progress
 from kvtier.engine.staging import LoadStager
 from kvtier.errors import ConfigError, trim_traceback
@@ -68,7 +69,7 @@ if TYPE_CHECKING:
 #: Block ids of a call: one sequence for a one-group model, or one sequence per KV-cache group.
 BlockIds = Union[Sequence[int], Sequence[Sequence[int]]]
 
-__all__ = ["Engine", "LoadOutcome", "open", "DEFAULT_WAIT_TIMEOUT_S", "DEFAULT_FLUSH_TIMEOUT_S"]
+__all__ = ["Engine", "LoadOutcome", "PrefetchOutcome", "open", "DEFAULT_WAIT_TIMEOUT_S", "DEFAULT_FLUSH_TIMEOUT_S"]
 
 logger = logging.getLogger("kvtier.engine.engine")
 
@@ -91,7 +92,7 @@ class Engine:
     """A running kvtier stack. Obtain one from :func:`open` (or :func:`kvtier.start_in_thread`).
 
     Every method that keys a request (``load``, ``load_with_sources``, ``load_layerwise``,
-    ``store``, ``cached_prefix_tokens``, ``chunk_keys``) also takes keyword-only *extra keys*,
+    ``store``, ``prefetch``, ``cached_prefix_tokens``, ``chunk_keys``) also takes keyword-only *extra keys*,
     hashed into the chunk keys exactly as vLLM 0.33 does (:class:`kvtier.keys.RequestExtraKeys`):
     a call finds only chunks stored with the same values.
 
@@ -158,6 +159,7 @@ class Engine:
         self.progress: Progress  # these three are set by _start, inside the event loop
         self.copies: DeviceCopies
         self.stager: LoadStager
+        self.prefetcher: Prefetcher
         self._running = False  # every component started (the body of ``open`` was reached)
         # Why close did not finish the flush (for the abandoned-jobs warning).
         self._flush_shortfall = "the flush was not attempted"
@@ -193,20 +195,29 @@ class Engine:
         return self.parts.metrics
 
     @property
+    def warmup_server(self) -> Any:
+        """The warm-up endpoint (:class:`kvtier.engine.warm_server.WarmupServer`) when ``warmup=``
+        was given (``.endpoint``, ``.port``, ``.statistics()``), else ``None``."""
+        return self.parts.warmup_server
+
+    @property
     def metrics_server(self) -> Any:
         """The ``/metrics`` HTTP server when ``metrics=`` was given (``.host``, ``.port``), else ``None``."""
         return self.parts.metrics_server
 
     async def _start(self, tg: anyio.abc.TaskGroup, events: Mapping[str, Any] | None,
-                     metrics: Mapping[str, Any] | None) -> None:
+                     metrics: Mapping[str, Any] | None, warmup: Mapping[str, Any] | None = None) -> None:
         self.progress = Progress(self._dispatch)
         self.copies = self.parts.copies  # no copy engine yet: counters for a failed start's close
-        await self.parts.start(tg, self.progress.wake, events, metrics)
+        await self.parts.start(tg, self.progress.wake, events, metrics, warmup)
         self.copies = self.parts.copies
         self.num_device_blocks = self.copies.num_device_blocks
         self.stager = LoadStager(self.manager, self.keying, self.parts.relay, self.progress,
-                                 group_blocks=self.copies.group_blocks, wait_timeout_s=self.wait_timeout_s)
+                                 group_blocks=self.copies.group_blocks, wait_timeout_s=self.wait_timeout_s,
+                                 prefetches=self.parts.prefetches)
+        self.prefetcher = Prefetcher(self.manager, self.keying, self.parts.relay, self.progress, self.parts.prefetches)
         tg.start_soon(self.progress.drive)
+        await self.parts.serve_warmup(tg, self)
         self._running = True
 
     def _dispatch(self) -> None:
@@ -257,6 +268,44 @@ class Engine:
         finally:
             for tier in self.tiers:
                 tier.on_request_finished(ctx)
+
+    async def prefetch(self, token_ids: Sequence[int], params: Mapping[str, Any] | None = None, *,
+                       cache_salt: str | None = None, lora_name: str | None = None,
+                       lora_path: str | None = None, mm_items: Sequence[tuple[str, int, int]] | None = None,
+                       prompt_embeds: torch.Tensor | None = None, tiers: Sequence[Any] | None = None,
+                       deadline_s: float | None = None, evict: bool = True) -> PrefetchOutcome:
+        """Warm up: promote the prefix of ``token_ids`` held by secondary tiers into host memory,
+        without device blocks, so that a later :meth:`load` of it is served from host memory.
+
+        The prefix is looked up as :meth:`load` from token 0 looks it up — host memory, then each
+        secondary tier in order — honouring ``params`` (the request's ``kv_transfer_params``:
+        ``kv_load_tiers``, ``max_load_tokens``, the p2p roles) and ``tiers``, a list in
+        ``kv_load_tiers``' format (tier indexes, type names or labels, ``{medium, locality}``
+        matchers) intersected with it. With several KV-cache groups exactly what a load would
+        need is promoted (``kvtier.engine.groups``). Promotions are shared with loads of the
+        same prefix (one per chunk, whoever asks first).
+
+        Waits for the promotions until ``deadline_s`` (default: the engine's ``wait_timeout_s``);
+        chunks still arriving then keep arriving in the background. ``evict=False`` promotes only
+        into free host slots; with ``evict=True`` the host tier may evict unpinned chunks (never
+        one a request pins), and never more than host memory can hold beside the prefix's own
+        chunks. Returns a :class:`PrefetchOutcome` (``kvtier.engine.prefetch``).
+
+        Arguments are checked at the call: ``token_ids`` and the extra keys as for :meth:`load`,
+        ``tiers`` strictly (an entry that is malformed or matches none of this engine's tiers is
+        a ``TypeError``/``ValueError`` naming it), ``deadline_s`` a finite number > 0, ``evict`` a
+        bool. Raises :class:`kvtier.EngineClosedError` once the engine is closing.
+        """
+        self.gate.check_open("prefetch")
+        extras = extra_keys(cache_salt, lora_name, lora_path, mm_items, prompt_embeds)
+        token_ids = int_ids(token_ids, "token_ids")
+        tier_filter = check_tiers(tiers, self.tiers)
+        deadline = check_deadline(deadline_s, self.wait_timeout_s)
+        if not isinstance(evict, bool):
+            raise TypeError(f"evict must be a bool, got {evict!r} ({type(evict).__name__})")
+        fields = self.prefetcher.request_fields(params, tier_filter)
+        async with self.gate.operation():
+            return await self.prefetcher.prefetch(token_ids, fields, extras, deadline, evict)
 
     async def load(self, token_ids: Sequence[int], block_ids: BlockIds,
                    params: Mapping[str, Any] | None = None, *, num_computed_tokens: int = 0,
@@ -461,15 +510,18 @@ class Engine:
     async def _reset(self) -> None:
         await self._drain()
         self.manager.reset_cache()
+        self.parts.prefetches.clear()
         self.manager.on_reset_flushed()
         self.parts.relay.publish_cleared()
 
     async def drain(self) -> None:
-        """Wait until every job in flight (cascades included) has been reported."""
+        """Start the write-back of every chunk a ``write_back`` tier has not received yet, then
+        wait until every job in flight (cascades and write-backs included) has been reported."""
         self.gate.check_open("drain")
         await self._drain()
 
     async def _drain(self) -> None:
+        self.manager.flush_write_back()  # close, drain and reset lose no chunk a write-back tier waits for
         self.manager.on_schedule_end()
         while self.manager.jobs_in_flight:
             await self.progress.wait(anyio.current_time() + 1.0)
@@ -552,6 +604,10 @@ class Engine:
                 self._flush_shortfall or "flushed", label, jobs.cascade_jobs, jobs.cascade_chunks,
                 jobs.promotion_jobs, jobs.promotion_chunks,
             )
+        for label, dirty in self.manager.dirty_chunks_by_tier().items():
+            if dirty:
+                logger.warning("closing the kvtier engine (%s): %d chunks in host memory were never written to "
+                               "write-back tier %s", self._flush_shortfall or "flushed", dirty, label)
 
     async def _aclose(self) -> None:
         """Close every component; all are attempted, the first error is re-raised."""
@@ -575,6 +631,7 @@ async def open(  # noqa: A001 - the public name is kvtier.open
     *,
     events: Mapping[str, Any] | None = None,
     metrics: Mapping[str, Any] | None = None,
+    warmup: Mapping[str, Any] | None = None,
     tp_rank: int = 0,
     hash_algorithm: str = "sha256",
     wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
@@ -584,10 +641,12 @@ async def open(  # noqa: A001 - the public name is kvtier.open
 
     ``config`` is the ``kv_connector_extra_config`` dictionary (or an ``EngineConfig``);
     ``events`` enables KV events and configures the ZMQ publisher; ``metrics={"port": P,
-    "host": H}`` serves ``/metrics`` (the registry is ``engine.metrics.registry`` either way).
+    "host": H}`` serves ``/metrics`` (the registry is ``engine.metrics.registry`` either way);
+    ``warmup={"port": P, ...}`` serves the warm-up endpoint a router calls to prefetch a prefix
+    (``docs/embedding.md``, "Warm-up endpoint"; ``engine.warmup_server``).
     Raises :class:`kvtier.ConfigError` for a bad configuration, an unusable tier, a host buffer
-    the machine cannot allocate, an events endpoint or metrics port that cannot be bound (all
-    before yielding).
+    the machine cannot allocate, an events endpoint, metrics port or warm-up endpoint that cannot
+    be bound (all before yielding).
 
     On exit — normal, or an exception from the body — the engine first waits up to
     ``flush_timeout_s`` seconds (default 5; finite, >= 0) for tier jobs in flight, so chunks
@@ -607,7 +666,7 @@ async def open(  # noqa: A001 - the public name is kvtier.open
     try:
         async with anyio.create_task_group() as tg:
             try:
-                await engine._start(tg, events, metrics)
+                await engine._start(tg, events, metrics, warmup)
                 started = True
                 yield engine
             finally:

@@ -4,6 +4,8 @@ Semantics callers rely on:
 
 * :meth:`EventRelay.publish` takes the manager's events after every step and every request,
   also without a publisher (they would pile up otherwise), and publishes them when there is one.
+  It also hands them to the prefetch tracker, if any (``kvtier.engine.prefetch_tracker``): the
+  host tier's removals are how it learns that a prefetched chunk left host memory unused.
 * Self-describing events say, per chunk, which blocks, tokens and extra keys it holds: the
   engine tells the relay (:meth:`EventRelay.remember_chunks`) before a chunk can appear in an
   event. Without a publisher, or without ``self_describing_kv_events``, that is a no-op.
@@ -15,6 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvtier.engine.prefetch_tracker import PrefetchTracker
     from kvtier.keys import RequestExtraKeys
     from kvtier.manager import TieringManager
     from kvtier.model import KVModel
@@ -26,8 +29,10 @@ class EventRelay:
     """The manager's events to the publisher (``None``: events are off) through the translator."""
 
     def __init__(self, manager: TieringManager, publisher: Any, translator: Any, *,
-                 self_describing: bool, model: KVModel, blocks_per_chunk: int) -> None:
+                 self_describing: bool, model: KVModel, blocks_per_chunk: int,
+                 prefetches: PrefetchTracker | None = None) -> None:
         self.manager = manager
+        self.prefetches = prefetches
         self.publisher = publisher
         self.translator = translator
         self._self_describing = self_describing
@@ -36,6 +41,8 @@ class EventRelay:
 
     def publish(self) -> None:
         events = self.manager.take_events()
+        if self.prefetches is not None:
+            self.prefetches.after_step(events)
         if self.publisher is None or not events:
             return
         self.publisher.publish(self.translator.translate(events))

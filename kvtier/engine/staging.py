@@ -14,8 +14,9 @@ Semantics callers rely on:
 * The caller owns the :class:`StagedLoad` and hands it to :meth:`LoadStager.finish` exactly
   once, whatever happened to its copy. If staging raises (bad block ids, cancellation), it has
   finished the request itself and nothing stays pinned.
-* Finishing unpins, counts the chunks as used (recency) only if every byte reached the device,
-  finishes the request and publishes its events.
+* Finishing unpins, counts the chunks as used (recency) only if every byte reached the device
+  (and then tells the prefetch tracker which chunks were loaded), finishes the request and
+  publishes its events.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from kvtier.types import LookupResult
 if TYPE_CHECKING:
     from kvtier.engine.event_relay import EventRelay
     from kvtier.engine.keying import RequestKeying
+    from kvtier.engine.prefetch_tracker import PrefetchTracker
     from kvtier.engine.progress import Progress
     from kvtier.keys import RequestExtraKeys
     from kvtier.manager import TieringManager
@@ -76,8 +78,10 @@ class LoadStager:
     """Stages and finishes the loads of one engine (module docstring); loop thread only."""
 
     def __init__(self, manager: TieringManager, keying: RequestKeying, relay: EventRelay,
-                 progress: Progress, *, group_blocks: Sequence[int] | None, wait_timeout_s: float) -> None:
+                 progress: Progress, *, group_blocks: Sequence[int] | None, wait_timeout_s: float,
+                 prefetches: PrefetchTracker | None = None) -> None:
         self.manager = manager
+        self.prefetches = prefetches
         self.keying = keying
         self.relay = relay
         self.progress = progress
@@ -186,6 +190,8 @@ class LoadStager:
                 self.manager.complete_load(staged.hit_keys, staged.ctx)
                 if arrived:
                     self.manager.touch(staged.hit_keys, staged.ctx)
+                    if self.prefetches is not None:
+                        self.prefetches.on_loaded(staged.hit_keys)
         finally:
             self.manager.on_request_finished(staged.ctx)
             self.relay.publish()

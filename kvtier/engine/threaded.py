@@ -123,6 +123,7 @@ class ThreadedEngine:
         returns="BlockingLayerwiseLoad",
         summary="Blocking :meth:`Engine.load_layerwise`: ``with engine.load_layerwise(...) as layers:`` then "
                 "``for group in layers:``,\neach step blocking until that group is on the device.")
+    prefetch = _blocking("prefetch")
     cached_prefix_tokens = _blocking("cached_prefix_tokens")
     chunk_keys = _blocking("chunk_keys")
     reset_cache = _blocking("reset_cache")

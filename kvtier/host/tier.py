@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -294,12 +294,15 @@ class HostTier:
         """Release the pins taken by :meth:`prepare_read`."""
         self._unpin(keys)
 
-    def prepare_write(self, keys: Sequence[bytes], ctx: RequestContext | None = None) -> PrepareStoreOutput | None:
+    def prepare_write(self, keys: Sequence[bytes], ctx: RequestContext | None = None, *,
+                      protect: Collection[bytes] = ()) -> PrepareStoreOutput | None:
         """Allocate slots for a promotion from a secondary tier (:meth:`prepare_store` semantics).
 
         The store threshold does not apply: a promoted chunk has already proved its reuse.
+        ``protect`` are chunks never evicted to make room, as the offered keys are (the rest of the
+        prefix the promoting request is resolving: evicting it to promote more would thrash).
         """
-        return self._prepare_store(keys, ctx, use_tracker=False)
+        return self._prepare_store(keys, ctx, use_tracker=False, protect=protect)
 
     def complete_write(self, keys: Sequence[bytes], success: bool = True) -> None:
         """Settle a promotion (:meth:`complete_store` semantics)."""
@@ -338,6 +341,24 @@ class HostTier:
         self._write_pending = 0
         if self._tracker is not None:
             self._tracker.clear()
+
+    @property
+    def free_slots(self) -> int:
+        """Slots holding no chunk."""
+        return len(self._free) + self.num_slots - self._num_allocated
+
+    @property
+    def evictable_slots(self) -> int:
+        """Slots holding a ready, unpinned chunk (the policy may evict it to make room)."""
+        return self._evictable
+
+    def count_evictable(self, keys: Collection[bytes]) -> int:
+        """How many of the distinct ``keys`` are held ready and unpinned (evictable)."""
+        count = 0
+        for key in dict.fromkeys(keys):
+            status = self._policy.get(key)
+            count += status is not None and status.ref_cnt == 0
+        return count
 
     @property
     def generation(self) -> int:
@@ -381,7 +402,8 @@ class HostTier:
 
     # --- internals --------------------------------------------------------------------------------
     def _prepare_store(
-        self, keys: Sequence[bytes], ctx: RequestContext | None, *, use_tracker: bool
+        self, keys: Sequence[bytes], ctx: RequestContext | None, *, use_tracker: bool,
+        protect: Collection[bytes] = (),
     ) -> PrepareStoreOutput | None:
         policy = self._policy
         tracker = self._tracker if use_tracker else None
@@ -426,14 +448,14 @@ class HostTier:
             return PrepareStoreOutput([], [], [])
 
         self._allocation_sizes.observe(len(candidates))
-        need = len(candidates) - (len(self._free) + self.num_slots - self._num_allocated)
+        need = len(candidates) - self.free_slots
         evicted: list[bytes] = []
         if need > 0:
             if need > self._evictable:
                 self._allocation_failures += 1
                 return None
             # Every offered key is protected: evicting one to store another would thrash.
-            victims = policy.evict(need, offered)
+            victims = policy.evict(need, offered.union(protect) if protect else offered)
             if victims is None:
                 self._allocation_failures += 1
                 return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from pathlib import Path
 
 import anyio
 import pytest
@@ -257,3 +258,23 @@ async def test_load_counts_only_tokens_beyond_what_the_caller_had() -> None:
         # chunks 1 and 2 are placed; one token of chunk 1 was already on the device
         assert outcome.tokens == 2 * BLOCK - 1
         assert outcome.tokens_by_tier == {"0:primary": 2 * BLOCK - 1}
+
+
+@pytest.mark.anyio
+async def test_a_prefix_larger_than_host_memory_never_evicts_itself_while_promoting(tmp_path: Path) -> None:
+    """Promotions of one request never evict the chunks it already resolved: a prefix of 8 chunks
+    behind 6 host slots loads its first 6 chunks (the rest recomputes) instead of evicting its own
+    chunks to promote the next ones, again and again."""
+    (long_prompt,) = prompts(1, 8 * BLOCK, seed=11)
+    others = prompts(6, BLOCK, seed=12)
+    fs = [{"type": "fs", "root_dir": str(tmp_path)}]
+    async with kvtier.open(tiering_config(slots=16, tiers=fs), geometry(), device_kv()) as writer:
+        assert await writer.store(long_prompt, list(range(8))) == 8 * BLOCK
+    async with kvtier.open(tiering_config(slots=6, tiers=fs), geometry(), device_kv(), wait_timeout_s=2.0) as engine:
+        for i, tokens in enumerate(others):
+            assert await engine.store(tokens, [10 + i]) == BLOCK
+        await engine.drain()
+        evictions = engine.statistics()["0:primary"].evictions
+        assert await engine.load(long_prompt, list(range(20, 28))) == 6 * BLOCK
+        # Exactly the 6 other chunks made room; none of the prefix was evicted for its own promotions.
+        assert engine.statistics()["0:primary"].evictions - evictions == 6

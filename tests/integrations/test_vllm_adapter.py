@@ -193,6 +193,10 @@ def test_kvtier_config_error_fails_vllm_start_up(tmp_path: Path) -> None:
                          {"type": "kvtier_fs", "root_dir": str(tmp_path), "n_read_thread": 4}])
     with pytest.raises(kvtier.ConfigError, match=r"secondary_tiers\[1\].*n_read_thread"):
         spec.get_manager()
+    # vLLM's manager writes every chunk through: a write policy would do nothing there.
+    spec = tiering_spec([{"type": "kvtier_fs", "root_dir": str(tmp_path), "write_policy": "write_back"}])
+    with pytest.raises(kvtier.ConfigError, match=r"secondary_tiers\[0\]\.write_policy"):
+        spec.get_manager()
 
 
 def test_reset_cache_drains_and_shutdown_leaves_nothing(tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ def test_version_as_a_program() -> None:
 def test_help_lists_every_command_and_the_exit_statuses(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = run(capsys, "--help")
     assert rc == 0
-    for name in ("bench", "events", "inspect", "verify", "gc"):
+    for name in ("bench", "events", "warm", "inspect", "verify", "gc"):
         assert f"\n  {name} " in out
     assert "exit status:" in out and "--version" in out
 

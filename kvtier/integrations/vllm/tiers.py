@@ -55,6 +55,7 @@ from vllm.v1.kv_offload.file_mapper import FileMapper
 from vllm.v1.kv_offload.tiering.base import TIER_LABEL, JobResult, SecondaryTierManager, TransferJob
 
 from kvtier.config import TierConfig
+from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.loop import HostedTask, LoopThread
 from kvtier.tiers import base as kbase
 from kvtier.tiers.factory import SecondaryTierFactory as KvtierTierFactory
@@ -174,6 +175,10 @@ class _KvtierTier(SecondaryTierManager):
         self.label = f"{self.index + 1}:{tier_type}"
         # kvtier's validation: a bad key fails vLLM's start-up with kvtier's ConfigError.
         config = TierConfig.from_dict({**tier_config, "type": self.kvtier_type}, self.index)
+        if config.write_policy != "write_through":
+            # vLLM's own tiering manager cascades every stored chunk: the key would do nothing.
+            raise ConfigError(f"secondary_tiers[{self.index}].write_policy: {config.write_policy!r} is not "
+                              "available inside vLLM (its manager writes every chunk through); use write_through")
         self.locality = Locality(config.locality.value) if config.locality is not None else None
         events_on = bool(offloading_spec.kv_events_config.enable_kv_cache_events)
         if config.enable_kv_events and not events_on:
