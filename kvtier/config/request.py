@@ -18,7 +18,7 @@ from kvtier.config.schema import did_you_mean, parse_locality, show_value
 from kvtier.errors import RequestError
 from kvtier.types import Locality, Medium
 
-__all__ = ["RequestParams", "TierFilter", "TierMatcher", "REQUEST_KEYS", "judged_request_keys"]
+__all__ = ["RequestParams", "TierFilter", "TierMatcher", "REQUEST_KEYS", "judged_request_keys", "parse_matcher"]
 
 logger = logging.getLogger("kvtier.config")
 
@@ -102,7 +102,7 @@ class TierFilter:
                 if problem is None:
                     names.add(entry.lower())
             elif isinstance(entry, Mapping):
-                matcher, problem = _parse_matcher(entry)
+                matcher, problem = parse_matcher(entry)
                 if matcher is not None:
                     matchers.append(matcher)
             else:
@@ -118,7 +118,8 @@ class TierFilter:
 TierFilter.ALL = TierFilter(allow_all=True)
 
 
-def _parse_matcher(entry: Mapping[Any, Any]) -> tuple[TierMatcher | None, str | None]:
+def parse_matcher(entry: Mapping[Any, Any]) -> tuple[TierMatcher | None, str | None]:
+    """A ``{medium, locality}`` dict as a :class:`TierMatcher`, or ``(None, what is wrong)``."""
     unknown = [k for k in entry if k not in ("medium", "locality")]
     if unknown:
         return None, f"unknown matcher key {show_value(unknown[0])} (allowed: medium, locality)"

@@ -29,11 +29,10 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from kvtier.config import RequestParams, TierFilter
-from kvtier.config.request import TierMatcher
-from kvtier.config.schema import parse_locality
+from kvtier.config.request import TierMatcher, parse_matcher
 from kvtier.engine.groups import GroupKeys, load_chunks, resolve_hit
 from kvtier.manager import PRIMARY_LABEL
-from kvtier.types import LookupResult, Medium
+from kvtier.types import LookupResult
 
 if TYPE_CHECKING:
     from kvtier.engine.event_relay import EventRelay
@@ -117,24 +116,10 @@ def check_tiers(value: Any, tiers: Sequence[SecondaryTier]) -> TierFilter | None
 
 
 def _matcher(entry: Mapping[Any, Any], where: str) -> TierMatcher:
-    unknown = [k for k in entry if k not in ("medium", "locality")]
-    if unknown:
-        raise ValueError(f"{where}: unknown key {unknown[0]!r} (allowed: medium, locality)")
-    medium_raw, locality_raw = entry.get("medium"), entry.get("locality")
-    medium = None
-    if medium_raw is not None:
-        if isinstance(medium_raw, Medium):
-            medium = medium_raw
-        elif isinstance(medium_raw, str) and medium_raw.upper() in Medium.__members__:
-            medium = Medium[medium_raw.upper()]
-        else:
-            raise ValueError(f"{where}.medium = {medium_raw!r}: expected 'CPU' or 'STORAGE'")
-    locality = None
-    if locality_raw is not None:
-        locality = parse_locality(locality_raw)
-        if locality is None:
-            raise ValueError(f"{where}.locality = {locality_raw!r}: expected 'LOCAL' or 'REMOTE'")
-    return TierMatcher(medium, locality)
+    matcher, problem = parse_matcher(entry)
+    if matcher is None:
+        raise ValueError(f"{where}: {problem}")
+    return matcher
 
 
 class Prefetcher:

@@ -54,6 +54,7 @@ import zmq
 from anyio.abc import TaskGroup, TaskStatus
 from zmq.utils.monitor import parse_monitor_message
 
+from kvtier.config.curve import load_certificate, require_curve
 from kvtier.config.schema import KeySpec, parse_section
 from kvtier.engine.warm_protocol import (
     MAX_TOKENS_LIMIT,
@@ -523,19 +524,13 @@ def _tier_entry(entry: Any) -> Any:
 
 def _load_keys(opts: WarmupOptions) -> _Keys:
     """Read and check the CURVE key pair; ConfigError names the key, never shows a secret."""
-    import zmq.auth
+    import zmq
 
-    if not zmq.has("curve"):
-        raise ConfigError(f"warmup.curve_secret_key_file: the installed libzmq ({zmq.zmq_version()}) has no "
-                          "CURVE support; install a pyzmq wheel built with libsodium/CURVE")
+    require_curve("warmup.curve_secret_key_file")
     assert opts.curve_secret_key_file and opts.curve_public_key_file and opts.curve_allowed_clients_dir
 
     def certificate(key: str, path: str) -> tuple[bytes, bytes | None]:
-        try:
-            return zmq.auth.load_certificate(path)
-        except (OSError, ValueError) as exc:
-            kind = "missing" if not os.path.exists(path) else "unreadable or not a certificate"
-            raise ConfigError(f"warmup.{key}: {path!r} is {kind} ({type(exc).__name__})") from None
+        return load_certificate(f"warmup.{key}", path)
 
     public_in_secret_file, secret = certificate("curve_secret_key_file", opts.curve_secret_key_file)
     if secret is None:

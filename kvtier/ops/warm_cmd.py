@@ -12,7 +12,6 @@ import argparse
 import itertools
 import json
 import math
-import os
 import re
 import sys
 import time
@@ -22,6 +21,7 @@ from typing import Any, TextIO
 import msgspec
 import zmq
 
+from kvtier.config.curve import load_certificate
 from kvtier.engine.warm_protocol import ERROR_CODES, Error, build_request, decode_reply, encode
 from kvtier.errors import KvtierError
 from kvtier.ops.cli_args import CliParser, exit_codes_epilog
@@ -138,15 +138,7 @@ def _client_keys(secret_file: str | None, server_file: str | None) -> tuple[byte
     if secret_file is None or server_file is None:
         raise ValueError("CurveZMQ needs both curve_secret_key_file (this client's .key_secret certificate) "
                          "and curve_server_key_file (the server's public certificate)")
-    import zmq.auth
-
-    def certificate(name: str, path: str) -> tuple[bytes, bytes | None]:
-        try:
-            return zmq.auth.load_certificate(path)
-        except (OSError, ValueError) as exc:
-            kind = "missing" if not os.path.exists(path) else "unreadable or not a certificate"
-            raise ValueError(f"{name}: {path!r} is {kind} ({type(exc).__name__})") from None
-
+    certificate = load_certificate  # a ConfigError is a ValueError naming the file's option
     public, secret = certificate("curve_secret_key_file", secret_file)
     if secret is None:
         raise ValueError(f"curve_secret_key_file: {secret_file!r} holds no secret key (give the .key_secret "

@@ -71,6 +71,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from kvtier.config.curve import load_certificate, require_curve
 from kvtier.errors import ConfigError, KvtierError
 from kvtier.throttled_log import ThrottledLog
 from kvtier.tiers.p2p.protocol import MAX_FRAME_BYTES, Message, ProtocolError, decode, encode, parse_peer_id
@@ -692,20 +693,12 @@ def _warn_unauthenticated_once() -> None:
 
 def _load_keys(auth: CurveKeys) -> _Keys:
     """Read and check the CURVE key material; ConfigError names the key, never a secret."""
-    import zmq.auth
+    import zmq
 
-    if not zmq.has("curve"):
-        raise ConfigError(
-            "p2p auth is configured but the installed libzmq has no CURVE support "
-            f"(libzmq {zmq.zmq_version()}); install a pyzmq wheel built with libsodium/CURVE"
-        )
+    require_curve("auth.curve_secret_key_file")
 
     def certificate(key: str, path: str) -> tuple[bytes, bytes | None]:
-        try:
-            return zmq.auth.load_certificate(path)
-        except (OSError, ValueError) as exc:
-            kind = "missing" if not os.path.exists(path) else "unreadable or not a certificate"
-            raise ConfigError(f"auth.{key}: {path!r} is {kind} ({type(exc).__name__})") from None
+        return load_certificate(f"auth.{key}", path)
 
     public_from_secret_file, secret = certificate("curve_secret_key_file", auth.curve_secret_key_file)
     if secret is None:
