@@ -62,6 +62,18 @@ ENGINE_SCHEMA: Mapping[str, KeySpec] = {
 }
 
 
+#: vLLM keys that tune machinery kvtier does not have: accepted at vLLM's default, so that a vLLM
+#: configuration loads unchanged, and refused otherwise (a value that could not act).
+_VLLM_ONLY: Mapping[str, str] = {
+    "tier_poll_interval_s": "kvtier has no tier-poll thread (tiers wake the engine as soon as a job "
+                            "or a lookup verdict arrives), so there is no interval to set",
+    "sync_load_budget_bytes": "every kvtier load is awaited by its caller until its bytes are on the "
+                              "device, so there is no asynchronous step for a budget to save",
+    "canonical_layout": "kvtier's host pages have one layout of their own (TP-independent, "
+                        "docs/internals.md), not vLLM's canonical format",
+}
+
+
 @dataclass(frozen=True, slots=True, repr=False)
 class EngineConfig:
     """The validated engine configuration.
@@ -121,6 +133,11 @@ class EngineConfig:
                 f"block_size = {show_value(values['block_size'])}: expected only one of block_size "
                 "and blocks_per_chunk"
             )
+
+        for key, why in _VLLM_ONLY.items():
+            if values[key] != ENGINE_SCHEMA[key].default:
+                raise ConfigError(f"invalid {key} = {show_value(values[key])}: {why}; leave the key out "
+                                  f"(or at vLLM's default {show_value(ENGINE_SCHEMA[key].default)})")
 
         raw_tiers = d.get("secondary_tiers", [])
         if raw_tiers is None:

@@ -95,6 +95,10 @@ INVALID: list[tuple[str, Any, str, str | None]] = [
     ("poll_interval_nan", tiering(tier_poll_interval_s=NAN), "tier_poll_interval_s", "nan"),
     ("sync_budget_negative", tiering(sync_load_budget_bytes=-1), "sync_load_budget_bytes", "-1"),
     ("canonical_layout_str", tiering(canonical_layout="false"), "canonical_layout", "'false'"),
+    # vLLM's keys for machinery kvtier does not have: only their defaults load (a value could not act).
+    ("poll_interval_not_default", tiering(tier_poll_interval_s=0.01), "tier_poll_interval_s", "0.01"),
+    ("sync_budget_not_default", tiering(sync_load_budget_bytes=1 << 20), "sync_load_budget_bytes", "1048576"),
+    ("canonical_layout_true", tiering(canonical_layout=True), "canonical_layout", "True"),
     ("backpressure_not_dict", tiering(backpressure="ema"), "backpressure", "'ema'"),
     ("backpressure_no_cls", tiering(backpressure={"high_water_s": 0.01}),
      "backpressure.backpressure_cls", None),
@@ -361,8 +365,8 @@ def test_full_fs_tier_config_is_normalised() -> None:
         stale_tmp_grace_s=0, rescan_interval_s=5, locality="remote", enable_kv_events=True,
         backpressure={"backpressure_cls": "EMABackpressureDetector", "high_water_s": 0.01},
     ), block_size=256, eviction_policy="arc", offload_prompt_only=False,
-        self_describing_kv_events=True, tier_poll_interval_s=0.01, sync_load_budget_bytes=1 << 20,
-        canonical_layout=True, store_threshold=1, max_tracker_size=10))
+        self_describing_kv_events=True, tier_poll_interval_s=0.001, sync_load_budget_bytes=0,
+        canonical_layout=False, store_threshold=1, max_tracker_size=10))
     tier = config.secondary_tiers[0]
     assert config.is_tiering
     assert config.block_size == 256 and config.blocks_per_chunk is None
