@@ -40,12 +40,13 @@ from kvtier.engine.arguments import count, group_ids, int_ids
 from kvtier.engine.build import EngineParts
 from kvtier.engine.copies import DeviceCopies
 from kvtier.engine.gate import OperationGate
-from kvtier.engine.groups import resolve_hit, store_chunks
+from kvtier.engine.groups import resolve_hit
 from kvtier.engine.keying import RequestKeying, extra_keys
 from kvtier.engine.layerwise import LayerwiseLoad, check_layers_per_group
 from kvtier.engine.prefetch import Prefetcher, PrefetchOutcome, check_deadline, check_tiers
 from kvtier.engine.progress import Progress
 from kvtier.engine.staging import LoadStager
+from kvtier.engine.storing import Storer
 from kvtier.errors import ConfigError, trim_traceback
 from kvtier.keys import BlockHasher, RequestExtraKeys
 from kvtier.layout import KVGeometry
@@ -160,6 +161,7 @@ class Engine:
         self.copies: DeviceCopies
         self.stager: LoadStager
         self.prefetcher: Prefetcher
+        self.storer: Storer
         self._running = False  # every component started (the body of ``open`` was reached)
         # Why close did not finish the flush (for the abandoned-jobs warning).
         self._flush_shortfall = "the flush was not attempted"
@@ -216,6 +218,8 @@ class Engine:
                                  group_blocks=self.copies.group_blocks, wait_timeout_s=self.wait_timeout_s,
                                  prefetches=self.parts.prefetches)
         self.prefetcher = Prefetcher(self.manager, self.keying, self.parts.relay, self.progress, self.parts.prefetches)
+        self.storer = Storer(self.manager, self.keying, self.parts.relay, self.progress, self.copies, self.stager.tables,
+                             offload_prompt_only=self.config.offload_prompt_only, wait_timeout_s=self.wait_timeout_s)
         tg.start_soon(self.progress.drive)
         await self.parts.serve_warmup(tg, self)
         self._running = True
@@ -431,72 +435,7 @@ class Engine:
         if num_prompt_tokens is not None:
             num_prompt_tokens = count(num_prompt_tokens, "num_prompt_tokens")
         async with self.gate.operation():
-            return await self._store(token_ids, groups, params, num_prompt_tokens, extras, order)
-
-    async def _store(self, token_ids: Sequence[int], block_ids: Sequence[Sequence[int]],
-                     params: Mapping[str, Any] | None, num_prompt_tokens: int | None,
-                     extras: RequestExtraKeys, order: CopyOrder | None) -> int:
-        keying = self.keying
-        hashes = keying.hashes(token_ids, extras)
-        ctx = keying.context("store", params)
-        limit = len(token_ids)
-        cap = ctx.params.max_offload_tokens
-        if cap is not None:
-            limit = min(limit, cap)
-        if self.config.offload_prompt_only and num_prompt_tokens is not None:
-            limit = min(limit, num_prompt_tokens)
-        # Per group, the chunks a later load can use (kvtier.engine.groups), and where they are.
-        where: dict[bytes, tuple[int, int]] = {}
-        keys: list[bytes] = []
-        for g, group in enumerate(self.model.groups):
-            group_keys = keying.group_keys(hashes, g)
-            for i in store_chunks(group, keying.group_chunk_tokens[g], limit, keying.hit_alignment):
-                keying.place(ctx, group_keys[i : i + 1], i, g)
-                where[group_keys[i]] = (g, i)
-                keys.append(group_keys[i])
-        self.manager.on_new_request(ctx)
-        try:
-            if not keys:
-                return 0
-            for g in range(len(self.model.groups)):
-                self.stager.check_chunks(block_ids, g, [i for kg, i in where.values() if kg == g])
-            deadline = anyio.current_time() + self.wait_timeout_s
-            while (out := self.manager.prepare_store(keys, ctx)) is None:
-                if not await self.progress.wait(deadline):
-                    logger.warning("no host slot became free within %.1fs; %d chunks not offloaded",
-                                   self.wait_timeout_s, len(keys))
-                    return 0
-                self.progress.step()
-            if not out.keys_to_store:
-                return 0
-            for g in range(len(self.model.groups)):
-                stored = [where[key][1] for key in out.keys_to_store if where[key][0] == g]
-                if stored:
-                    self.parts.relay.remember_chunks(token_ids, hashes, [keying.group_keys(hashes, g)[i] for i in stored],
-                                                     extras, stored[0], g)
-            jobs: dict[int, tuple[list[int], list[int]]] = {}
-            for key, slot in zip(out.keys_to_store, out.slot_ids):
-                g, i = where[key]
-                slots, blocks = jobs.setdefault(g, ([], []))
-                slots.append(slot)
-                blocks.extend(self.stager.chunk_blocks(block_ids[g], g, i))
-            success = False
-            try:
-                results = await self.copies.copy_groups(
-                    "to_host", [(g, slots, blocks) for g, (slots, blocks) in sorted(jobs.items())], order)
-                success = all(result.success for result in results)
-                for result in results:
-                    if not result.success:
-                        logger.error("device→host copy failed: %s", result.error)
-            finally:
-                self.manager.complete_store(out.keys_to_store, ctx, success)
-            if not success:
-                return 0
-            first = [where[key][1] for key in out.keys_to_store if where[key][0] == 0]
-            return len(first) * keying.chunk_tokens
-        finally:
-            self.manager.on_request_finished(ctx)
-            self.parts.relay.publish()
+            return await self.storer.store(token_ids, groups, params, num_prompt_tokens, extras, order)
 
     async def reset_cache(self) -> None:
         """Drop every chunk from host memory (secondary tiers keep theirs), safely.

@@ -27,10 +27,12 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvtier.engine.arguments import check_block_ids
 from kvtier.model import KVCacheGroup, KVModel
 from kvtier.types import LookupResult
 
-__all__ = ["GroupKeys", "hit_alignment", "load_chunks", "store_boundaries", "store_chunks", "resolve_hit", "scan_order"]
+__all__ = ["BlockTables", "GroupKeys", "hit_alignment", "load_chunks", "store_boundaries", "store_chunks",
+           "resolve_hit", "scan_order"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,3 +160,40 @@ def _tighten(group: GroupKeys, bound: int, computed: int, held: Callable[[bytes]
             return boundary
         boundary -= size
     return boundary
+
+
+class BlockTables:
+    """Where the chunks of each group sit in a request's block tables, and their checks.
+
+    ``block_ids[g][i]`` is the device block of group ``g``'s token block ``i``; chunk ``c`` of a
+    group covers blocks ``c * blocks_per_chunk`` up to the next chunk, and copies all of them, or
+    the last one for a state group (the state after the chunk's last token). ``group_blocks`` are
+    the device blocks of each group (``None``: unknown, ranges unchecked).
+    """
+
+    def __init__(self, model: KVModel, blocks_per_chunk: int, group_blocks: Sequence[int] | None) -> None:
+        self.model = model
+        self.blocks_per_chunk = blocks_per_chunk
+        self.group_blocks = group_blocks
+
+    def chunk_blocks(self, group_block_ids: Sequence[int], group: int, chunk: int) -> Sequence[int]:
+        """The device blocks chunk ``chunk`` of ``group`` copies."""
+        bpc = self.blocks_per_chunk
+        per_chunk = self.model.groups[group].blocks_per_slot(bpc)
+        return group_block_ids[(chunk + 1) * bpc - per_chunk : (chunk + 1) * bpc]
+
+    def check(self, block_ids: Sequence[Sequence[int]], group: int, chunks: Sequence[int]) -> None:
+        """The device blocks that ``chunks`` (ascending) of ``group`` use exist, are in range and
+        distinct (ValueError naming the id)."""
+        if not chunks:
+            return
+        bpc = self.blocks_per_chunk
+        per_chunk = self.model.groups[group].blocks_per_slot(bpc)
+        name = "block_ids" if len(self.model.groups) == 1 else f"block_ids[{group}]"
+        num_blocks = None if self.group_blocks is None else self.group_blocks[group]
+        ids = block_ids[group]
+        if per_chunk == bpc and chunks[-1] - chunks[0] == len(chunks) - 1:  # one run of chunks
+            check_block_ids(ids, chunks[0] * bpc, (chunks[-1] + 1) * bpc, num_blocks, name)
+        else:
+            for i in chunks:
+                check_block_ids(ids, (i + 1) * bpc - per_chunk, (i + 1) * bpc, num_blocks, name)

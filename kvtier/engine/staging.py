@@ -28,8 +28,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from kvtier.context import RequestContext
-from kvtier.engine.arguments import check_block_ids
-from kvtier.engine.groups import GroupKeys, load_chunks, resolve_hit
+from kvtier.engine.groups import BlockTables, GroupKeys, load_chunks, resolve_hit
 from kvtier.types import LookupResult
 
 if TYPE_CHECKING:
@@ -85,7 +84,8 @@ class LoadStager:
         self.keying = keying
         self.relay = relay
         self.progress = progress
-        self.group_blocks = group_blocks
+        #: Where each group's chunks sit in a request's block tables (checked before copies).
+        self.tables = BlockTables(keying.model, keying.blocks_per_chunk, group_blocks)
         self.wait_timeout_s = wait_timeout_s
 
     async def stage(self, token_ids: Sequence[int], block_ids: Sequence[Sequence[int]],
@@ -115,13 +115,13 @@ class LoadStager:
             # any lookup (a sliding window's and a state's only once the hit is known, below).
             for group in groups:
                 if group.group.loads_prefix:
-                    self.check_chunks(block_ids, group.index, load_chunks(group.group, group.chunk_tokens, bound, computed))
+                    self.tables.check(block_ids, group.index, load_chunks(group.group, group.chunk_tokens, bound, computed))
             hit = await self.resolve(groups, bound, computed, ctx)
             if hit <= computed:
                 return staged
             chunks = {g.index: load_chunks(g.group, g.chunk_tokens, hit, computed) for g in groups}
             for group in groups:
-                self.check_chunks(block_ids, group.index, chunks[group.index])
+                self.tables.check(block_ids, group.index, chunks[group.index])
             for group in groups:
                 span = chunks[group.index]
                 self.relay.remember_chunks(token_ids, hashes, group.keys[span.start : span.stop], extras,
@@ -134,7 +134,7 @@ class LoadStager:
                 span = chunks[group.index]
                 blocks: list[int] = []
                 for i in span:
-                    blocks.extend(self.chunk_blocks(block_ids[group.index], group.index, i))
+                    blocks.extend(self.tables.chunk_blocks(block_ids[group.index], group.index, i))
                 staged.copies.append(GroupCopy(group.index, list(slots[at : at + len(span)]), blocks))
                 at += len(span)
             self._count_sources(staged, next(g for g in groups if g.index == 0), chunks[0], computed, hit)
@@ -143,29 +143,6 @@ class LoadStager:
             raise
         staged.copies.sort(key=lambda c: c.group)
         return staged
-
-    def chunk_blocks(self, group_block_ids: Sequence[int], group: int, chunk: int) -> Sequence[int]:
-        """Device blocks chunk ``chunk`` of ``group`` copies: all ``blocks_per_chunk`` of them, or
-        the last one (a state group's chunk is the state after its last token)."""
-        bpc = self.keying.blocks_per_chunk
-        per_chunk = self.keying.model.groups[group].blocks_per_slot(bpc)
-        return group_block_ids[(chunk + 1) * bpc - per_chunk : (chunk + 1) * bpc]
-
-    def check_chunks(self, block_ids: Sequence[Sequence[int]], group: int, chunks: Sequence[int]) -> None:
-        """The device blocks that ``chunks`` (ascending) of ``group`` use exist, are in range and
-        distinct (ValueError)."""
-        if not chunks:
-            return
-        bpc = self.keying.blocks_per_chunk
-        per_chunk = self.keying.model.groups[group].blocks_per_slot(bpc)
-        name = "block_ids" if len(self.keying.model.groups) == 1 else f"block_ids[{group}]"
-        num_blocks = None if self.group_blocks is None else self.group_blocks[group]
-        ids = block_ids[group]
-        if per_chunk == bpc and chunks[-1] - chunks[0] == len(chunks) - 1:  # one run of chunks
-            check_block_ids(ids, chunks[0] * bpc, (chunks[-1] + 1) * bpc, num_blocks, name)
-        else:
-            for i in chunks:
-                check_block_ids(ids, (i + 1) * bpc - per_chunk, (i + 1) * bpc, num_blocks, name)
 
     def _count_sources(self, staged: StagedLoad, group: GroupKeys, chunks: range, computed: int,
                        hit: int) -> None:
