@@ -6,7 +6,9 @@ one-group case). ``device_kv`` takes one of these forms:
 * a list of per-layer tensors, or one cross-layer tensor ``[num_blocks, num_layers, *page]``:
   only for a model with one KV-cache group (the layer order is the group's);
 * a mapping layer name → tensor for attention and MLA layers, layer name → sequence of tensors
-  (one per state shape, in order) for Mamba layers, naming every layer of the model.
+  (one per state shape, in order) for Mamba layers, naming every layer of the model; an attention
+  or MLA group may instead be given whole, as group index → one cross-layer tensor
+  ``[num_blocks, group layers, *page]`` (in the group's layer order).
 
 Per layer a full- or sliding-window-attention tensor is ``[num_blocks, 2, block_size,
 num_kv_heads // tp_size, head_dim]`` (this rank's heads), an MLA tensor ``[num_blocks,
@@ -258,12 +260,12 @@ def plan_copies(
         raise ConfigError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk!r}")
     if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < model.tp_size:
         raise ConfigError(f"tp_rank must be in [0, {model.tp_size}), got {tp_rank!r}")
-    cross_layer, layer_values = _layer_values(device_kv, model)
+    cross_layers, layer_values = _layer_values(device_kv, model)
     # The list and cross-layer forms (one group) name tensors by position, a mapping by layer and group.
     positional = not isinstance(device_kv, Mapping)
     reference: tuple[str, torch.device] | None = None
     group_tensors: list[list[list[torch.Tensor]]] = []
-    for g, (group, values) in enumerate(zip(model.groups, layer_values)):
+    for g, (group, values, cross_layer) in enumerate(zip(model.groups, layer_values, cross_layers)):
         parts = group.parts(model.dtype)
         per_part: list[list[torch.Tensor]] = [[] for _ in parts]
         first_of_group: tuple[str, int] | None = None
@@ -298,7 +300,7 @@ def plan_copies(
                      buffer=buffer, tp_rank=tp_rank, tp_size=model.tp_size)
             for part, tensors in zip(group.parts(model.dtype), per_part)
         ]
-        for group, per_part in zip(model.groups, group_tensors)
+        for group, per_part, cross_layer in zip(model.groups, group_tensors, cross_layers)
     ]
     return CopyPlans(model, blocks_per_chunk, plans)
 
@@ -323,17 +325,29 @@ def first_tensor(device_kv: DeviceKV) -> torch.Tensor:
 # --- validation ------------------------------------------------------------------------------
 
 
-def _layer_values(device_kv: Any, model: KVModel) -> tuple[bool, list[list[tuple[str, Any]]]]:
-    """``(cross_layer, per group: (label, value) of each layer in the group's order)``."""
+def _layer_values(device_kv: Any, model: KVModel) -> tuple[list[bool], list[list[tuple[str, Any]]]]:
+    """``(per group: cross-layer?, per group: (label, value) of each layer in the group's order)``.
+
+    In a mapping, a group index (an int) names one cross-layer tensor for the whole group (an
+    attention or MLA group) in place of its layers' names.
+    """
     groups = model.groups
     if isinstance(device_kv, torch.Tensor):
         _need_one_group(model, "a cross-layer device_kv tensor")
-        return True, [[("device_kv", device_kv)]]
+        return [True], [[("device_kv", device_kv)]]
     if isinstance(device_kv, Mapping):
-        names = [name for group in groups for name in group.layer_names]
+        whole = {g for g in range(len(groups)) if g in device_kv and not isinstance(g, bool)}
+        names = [name for g, group in enumerate(groups) if g not in whole for name in group.layer_names]
         known = set(names)
         missing = [name for name in names if name not in device_kv]
-        unknown = [repr(name) for name in device_kv if name not in known]
+        unknown = [repr(key) for key in device_kv if key not in known and key not in whole]
+        for g in whole:
+            given = [name for name in groups[g].layer_names if name in device_kv]
+            if given:
+                unknown.append(f"{given[0]!r} (group {g} is given whole, as device_kv[{g}])")
+            if groups[g].kind == "mamba":
+                raise ConfigError(f"device_kv[{g}]: group {g} (mamba) is given per layer (a sequence of state "
+                                  "tensors per layer name), not as one cross-layer tensor")
         if missing or unknown:
             problems = []
             if missing:
@@ -341,7 +355,10 @@ def _layer_values(device_kv: Any, model: KVModel) -> tuple[bool, list[list[tuple
             if unknown:
                 problems.append(f"names not in the model: {', '.join(unknown)}")
             raise ConfigError(f"device_kv does not name the model's layers: {'; '.join(problems)}")
-        return False, [[(f"device_kv[{name!r}]", device_kv[name]) for name in group.layer_names] for group in groups]
+        return ([g in whole for g in range(len(groups))],
+                [[(f"device_kv[{g}]", device_kv[g])] if g in whole
+                 else [(f"device_kv[{name!r}]", device_kv[name]) for name in group.layer_names]
+                 for g, group in enumerate(groups)])
     if isinstance(device_kv, (str, bytes)) or not isinstance(device_kv, Sequence):
         raise ConfigError(
             f"device_kv is a {type(device_kv).__name__}: expected a mapping layer name -> tensor(s), "
@@ -351,7 +368,7 @@ def _layer_values(device_kv: Any, model: KVModel) -> tuple[bool, list[list[tuple
     values = list(device_kv)
     if len(values) != groups[0].num_layers:
         raise ConfigError(f"device_kv has {len(values)} per-layer tensors, the model has {groups[0].num_layers} layers")
-    return False, [[(f"device_kv[{i}]", value) for i, value in enumerate(values)]]
+    return [False], [[(f"device_kv[{i}]", value) for i, value in enumerate(values)]]
 
 
 def _need_one_group(model: KVModel, form: str) -> None:

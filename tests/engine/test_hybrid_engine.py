@@ -261,3 +261,26 @@ async def test_self_describing_events_describe_full_attention_chunks_and_name_ea
     assert len(window) == 4 and all(e.token_ids == [] and e.block_size == 0 for e in window)
     assert {(e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) for e in window} == {("sliding_window", WINDOW)}
     assert len(state) == 2 and {e.kv_cache_spec_kind for e in state} == {"mamba"}
+
+
+@pytest.mark.anyio
+async def test_a_group_may_be_given_as_one_cross_layer_tensor() -> None:
+    per_layer = device_kv(seed=8)
+    # The full-attention group as one tensor [num_blocks, layers, 2, block, heads, dim], same bytes.
+    cross = {0: torch.stack([per_layer[name] for name in FULL], dim=1).contiguous(),
+             **{name: per_layer[name] for name in SWA + STATE}}
+    prompt = tokens(16)
+    async with kvtier.open(config(), model(), cross) as engine:
+        await store_prompt(engine, prompt)
+        zero(cross)
+        assert await engine.load(prompt, blocks(16, offset=20)) == 16
+    reference = device_kv(seed=8)
+    for chunk in range(4):
+        for layer, name in enumerate(FULL):
+            assert torch.equal(cross[0][20 + chunk, layer], reference[name][chunk])
+    with pytest.raises(ConfigError, match="given whole"):
+        async with kvtier.open(config(), model(), {**cross, FULL[0]: per_layer[FULL[0]]}):
+            pass
+    with pytest.raises(ConfigError, match=r"device_kv\[0\].*expected"):
+        async with kvtier.open(config(), model(), {**cross, 0: cross[0][:, :1].contiguous()}):
+            pass
