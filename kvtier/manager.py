@@ -14,8 +14,9 @@ the request's ``kv_load_tiers``). A secondary hit allocates a host slot at once 
 ``HIT_PENDING`` (so no other lookup of the same key starts a second promotion); the promotions
 of one (tier, request) are submitted as one job at ``on_schedule_end``. A failed promotion frees
 its slots and the key becomes a miss: the request recomputes, it never sees garbage. A promotion
-never evicts a chunk the same request's lookups already found or promoted: a prefix larger than
-the room ends where the room does (the rest recomputes) instead of evicting itself in a loop.
+never evicts a chunk that an unfinished request's lookups found or promoted: a prefix larger than
+the room ends where the room does (the rest recomputes) instead of evicting itself, and two
+concurrent requests do not evict each other's chunks, in a loop.
 
 Write policies (a tier's ``write_policy``; the books are kept by ``kvtier.policies.write``):
 
@@ -156,8 +157,8 @@ class _RequestState:
     pending_primary_stores: int = 0
     is_finished: bool = False
     load_sources: dict[bytes, int] = field(default_factory=dict)
-    #: Chunks this request's lookups found in host memory or started promoting: a promotion of the
-    #: same request never evicts them (a prefix larger than the room would evict itself in a loop).
+    #: Chunks this request's lookups found in host memory or started promoting, until it finishes
+    #: (``TieringManager._active_prefixes`` counts them over all requests).
     prefix: set[bytes] = field(default_factory=set)
     #: Tiers that asked for every chunk of this request (OffloadPolicy.REQUEST_LEVEL).
     request_level_tiers: tuple[int, ...] = ()
@@ -189,6 +190,10 @@ class TieringManager:
         #: Per tier: a failure trip was reported and no store has succeeded since (its probes,
         #: let through by idle decay and failing again, are not re-reported).
         self._bp_failing = [False] * len(self.tiers)
+        #: Chunks in the prefix some unfinished request is resolving, with how many such requests:
+        #: a promotion never evicts them (a prefix larger than the room would evict itself, and two
+        #: requests each other's chunks, in a loop).
+        self._active_prefixes: dict[bytes, int] = {}
         self._write = WriteLedger([WritePolicy.of(getattr(tier, "config", None)) for tier in self.tiers])
         self._job_ids = itertools.count()
         self._jobs: dict[tuple[int, int], _JobRecord] = {}
@@ -265,7 +270,7 @@ class TieringManager:
             self._primary_hits += hit
         if hit:
             if self.tiers:
-                self._state(ctx).prefix.add(key)
+                self._hold_prefix(ctx, key)
             return result
         if self._promotions_held or not self.tiers:
             return LookupResult.MISS
@@ -285,7 +290,7 @@ class TieringManager:
     def _initiate_promotion(self, tier_idx: int, key: bytes, ctx: RequestContext) -> LookupResult:
         """HIT_PENDING: a slot is allocated for the promotion. RETRY: no room, but write-backs in
         flight will make some. MISS: no room."""
-        prefix = self._state(ctx).prefix
+        prefix = self._active_prefixes.keys()
         out = self.host.prepare_write([key], ctx, protect=prefix)
         if out is None and self._write.num_cleaning:
             # Write-backs reported since the last poll may have made room; answering RETRY on
@@ -304,7 +309,7 @@ class TieringManager:
         pending.keys.append(key)
         pending.slot_ids.append(out.slot_ids[0])
         self._state(ctx).load_sources[key] = tier_idx
-        prefix.add(key)
+        self._hold_prefix(ctx, key)
         return LookupResult.HIT_PENDING
 
     def get_load_source(self, key: bytes, ctx: RequestContext) -> str:
@@ -541,7 +546,26 @@ class TieringManager:
                 tier.on_request_finished(ctx)
             return
         state.is_finished = True
+        self._release_prefix(state)
         self._maybe_finalize(state)
+
+    def _hold_prefix(self, ctx: RequestContext, key: bytes) -> None:
+        """``key`` is part of the prefix ``ctx`` is resolving: no promotion evicts it until the
+        request finishes (two requests would otherwise evict each other's chunks in turn)."""
+        state = self._state(ctx)
+        if state.is_finished or key in state.prefix:
+            return
+        state.prefix.add(key)
+        self._active_prefixes[key] = self._active_prefixes.get(key, 0) + 1
+
+    def _release_prefix(self, state: _RequestState) -> None:
+        for key in state.prefix:
+            left = self._active_prefixes.get(key, 0) - 1
+            if left > 0:
+                self._active_prefixes[key] = left
+            else:
+                self._active_prefixes.pop(key, None)
+        state.prefix.clear()
 
     def _maybe_finalize(self, state: _RequestState) -> None:
         if not state.is_finished or state.pending_primary_stores > 0 or state.parked_cascades:

@@ -154,6 +154,7 @@ class _Collector:
             ("publisher", o._publishers, self._publisher),
             ("prefetch", o._prefetches, self._prefetch),
             ("warmup", o._warmups, self._warmup),
+            ("loads", o._loads, self._loads),
         ):
             for source in list(sources):
                 try:
@@ -437,6 +438,13 @@ class _Collector:
                   "Prefetched chunks evicted from host memory before any load used them.").add_metric([], s.wasted)
 
 
+    # -- loads ------------------------------------------------------------------------------
+
+    def _loads(self, f: _Families, s: Any) -> None:
+        f.counter("kvtier_load_wait_timeouts",
+                  "Loads whose promotions or probes were still pending at wait_timeout_s (the prefix ended there)."
+                  ).add_metric([], s.wait_timeouts)
+
     # -- warm-up endpoint ---------------------------------------------------------------------
 
     def _warmup(self, f: _Families, s: Any) -> None:
@@ -475,6 +483,7 @@ class EngineMetrics:
         self._publishers: list[StatisticsSource] = []
         self._prefetches: list[StatisticsSource] = []
         self._warmups: list[StatisticsSource] = []
+        self._loads: list[StatisticsSource] = []
         self.registry.register(_Collector(self))  # type: ignore[arg-type]
 
     def add_host(self, source: StatisticsSource) -> None:
@@ -495,6 +504,10 @@ class EngineMetrics:
     def add_prefetch(self, source: StatisticsSource) -> None:
         """The engine's prefetch counters (``kvtier.engine.prefetch_tracker.PrefetchStatistics``)."""
         self._prefetches.append(source)
+
+    def add_loads(self, source: StatisticsSource) -> None:
+        """The engine's load counters (``kvtier.engine.staging.LoadStatistics``)."""
+        self._loads.append(source)
 
     def add_warmup(self, source: StatisticsSource) -> None:
         """The warm-up endpoint's counters (``kvtier.engine.warm_server.WarmupStatistics``)."""

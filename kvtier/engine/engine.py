@@ -218,6 +218,8 @@ class Engine:
                                  group_blocks=self.copies.group_blocks, wait_timeout_s=self.wait_timeout_s,
                                  prefetches=self.parts.prefetches)
         self.prefetcher = Prefetcher(self.manager, self.keying, self.parts.relay, self.progress, self.parts.prefetches)
+        if self.metrics is not None:
+            self.metrics.add_loads(self.stager)
         self.storer = Storer(self.manager, self.keying, self.parts.relay, self.progress, self.copies, self.stager.tables,
                              offload_prompt_only=self.config.offload_prompt_only, wait_timeout_s=self.wait_timeout_s)
         tg.start_soon(self.progress.drive)
@@ -462,14 +464,19 @@ class Engine:
     async def _drain(self) -> None:
         self.manager.flush_write_back()  # close, drain and reset lose no chunk a write-back tier waits for
         self.manager.on_schedule_end()
-        while self.manager.jobs_in_flight:
-            await self.progress.wait(anyio.current_time() + 1.0)
+        while True:
+            since = self.progress.mark()
+            # Collect what arrived first: a result the drive task took after our last wake-up woke
+            # nobody, and waiting for the next wake-up would then sleep the whole second.
             self._dispatch()
+            if not self.manager.jobs_in_flight:
+                return
+            await self.progress.wait(anyio.current_time() + 1.0, since)
 
     def statistics(self) -> dict[str, Any]:
         """Snapshots of every component, keyed by tier label (also after close: the final counts)."""
         stats: dict[str, Any] = {PRIMARY_LABEL: self.host.statistics(), "manager": self.manager.statistics(),
-                                 "copies": self.copies.statistics()}
+                                 "copies": self.copies.statistics(), "loads": self.stager.statistics()}
         for tier in self.tiers:
             stats[tier.context.label] = tier.statistics()
         return stats

@@ -174,6 +174,7 @@ class Prefetcher:
         try:
             deadline = anyio.current_time() + deadline_s
             while True:
+                since = self.progress.mark()  # before the lookups: their promotions may finish at once
                 manager.poll()  # settle finished jobs now, so the pass sees one state of host memory
                 stats = host.statistics()
                 room = stats.num_slots - stats.used_slots + (stats.evictable if evict else 0)
@@ -182,7 +183,7 @@ class Prefetcher:
                 if not waiting:
                     break
                 manager.on_schedule_end()  # submit the promotions this pass started
-                if not await self.progress.wait(deadline):
+                if not await self.progress.wait(deadline, since):
                     manager.on_schedule_end()
                     timed_out = True
                     break

@@ -3,8 +3,13 @@
 Semantics callers rely on:
 
 * Components (copy engine, tiers) call :meth:`Progress.wake` on the loop thread whenever a job
-  result or a lookup verdict is available. A task that waits (:meth:`Progress.wait`) wakes at
-  the next wake-up after it started waiting, never for an earlier one, and never polls.
+  result or a lookup verdict is available, and so do the engine's own operations whenever they
+  change what another may wait for: a store completing (its chunks loadable, or its slots free
+  again), a load unpinning its chunks. A task that waits (:meth:`Progress.wait`) wakes at
+  the first wake-up after its mark (:meth:`Progress.mark`, default: when it started waiting),
+  and never polls. A waiter marks *before* the work whose results it will wait for (lookups,
+  submissions): a tier may report, and wake, before the wait begins — a job it finishes at
+  submission, say — and a wait that started after that wake-up would sleep until its deadline.
 * :meth:`Progress.drive`, run as one task of the engine's task group, runs the step (the engine's
   dispatch: copy results, manager poll, events) after every wake-up, so results reach their
   waiters even while no load or store runs.
@@ -34,9 +39,14 @@ class Progress:
         self._tick = anyio.Event()
         tick.set()
 
-    async def wait(self, deadline: float) -> bool:
-        """Wait for the next wake-up; ``False`` if ``deadline`` (anyio clock) passed first."""
-        tick = self._tick
+    def mark(self) -> anyio.Event:
+        """The point a later :meth:`wait` counts wake-ups from (module docstring)."""
+        return self._tick
+
+    async def wait(self, deadline: float, since: anyio.Event | None = None) -> bool:
+        """Wait for the first wake-up after ``since`` (a :meth:`mark`; default: now); ``False``
+        if ``deadline`` (anyio clock) passed first. Returns at once if it already happened."""
+        tick = self._tick if since is None else since
         with anyio.move_on_after(max(0.0, deadline - anyio.current_time())):
             await tick.wait()
             return True

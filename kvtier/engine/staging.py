@@ -39,7 +39,15 @@ if TYPE_CHECKING:
     from kvtier.keys import RequestExtraKeys
     from kvtier.manager import TieringManager
 
-__all__ = ["GroupCopy", "StagedLoad", "LoadStager"]
+__all__ = ["GroupCopy", "LoadStatistics", "StagedLoad", "LoadStager"]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStatistics:
+    """What the loads of one engine waited for: ``wait_timeouts`` counts those whose promotions
+    or probes were still pending at ``wait_timeout_s`` (the prefix then ended there)."""
+
+    wait_timeouts: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +95,7 @@ class LoadStager:
         #: Where each group's chunks sit in a request's block tables (checked before copies).
         self.tables = BlockTables(keying.model, keying.blocks_per_chunk, group_blocks)
         self.wait_timeout_s = wait_timeout_s
+        self._wait_timeouts = 0
 
     async def stage(self, token_ids: Sequence[int], block_ids: Sequence[Sequence[int]],
                     params: Mapping[str, Any] | None, num_computed_tokens: int,
@@ -159,6 +168,9 @@ class LoadStager:
                 label = self.manager.get_load_source(group.keys[i], staged.ctx)
                 staged.tokens_by_tier[label] = staged.tokens_by_tier.get(label, 0) + new_tokens
 
+    def statistics(self) -> LoadStatistics:
+        return LoadStatistics(self._wait_timeouts)
+
     def finish(self, staged: StagedLoad, *, arrived: bool) -> None:
         """End a staged load: unpin its chunks, count them as used (recency) only if ``arrived``
         (every byte reached the device), finish the request and publish its events."""
@@ -169,6 +181,7 @@ class LoadStager:
                     self.manager.touch(staged.hit_keys, staged.ctx)
                     if self.prefetches is not None:
                         self.prefetches.on_loaded(staged.hit_keys)
+                self.progress.wake()  # the slots are evictable again: a store may wait for room
         finally:
             self.manager.on_request_finished(staged.ctx)
             self.relay.publish()
@@ -178,12 +191,14 @@ class LoadStager:
         promotions and probes up to ``wait_timeout_s``; then a pending chunk counts as missing."""
         deadline = anyio.current_time() + self.wait_timeout_s
         while True:
+            since = self.progress.mark()  # before the lookups: their promotions may finish at once
             hit, waiting = resolve_hit(groups, bound, computed, lambda key: self.manager.lookup(key, ctx))
             if not waiting:
                 return hit
             self.manager.on_schedule_end()
-            if not await self.progress.wait(deadline):
+            if not await self.progress.wait(deadline, since):
                 # Give up on what is still pending; a later request will find it.
+                self._wait_timeouts += 1
                 self.manager.on_schedule_end()
                 return resolve_hit(groups, bound, computed, lambda key: _held_now(self.manager.lookup(key, ctx)))[0]
             self.progress.step()

@@ -83,8 +83,11 @@ class Storer:
             for g in range(len(self.keying.model.groups)):
                 self.tables.check(block_ids, g, [i for kg, i in where.values() if kg == g])
             deadline = anyio.current_time() + self.wait_timeout_s
-            while (out := self.manager.prepare_store(keys, ctx)) is None:
-                if not await self.progress.wait(deadline):
+            while True:
+                since = self.progress.mark()  # before: the write-backs it starts may finish at once
+                if (out := self.manager.prepare_store(keys, ctx)) is not None:
+                    break
+                if not await self.progress.wait(deadline, since):
                     logger.warning("no host slot became free within %.1fs; %d chunks not offloaded",
                                    self.wait_timeout_s, len(keys))
                     return 0
@@ -112,6 +115,8 @@ class Storer:
                         logger.error("device→host copy failed: %s", result.error)
             finally:
                 self.manager.complete_store(out.keys_to_store, ctx, success)
+                # Its chunks are loadable (or their slots free) now: wake whoever waits on them.
+                self.progress.wake()
             if not success:
                 return 0
             first = [where[key][1] for key in out.keys_to_store if where[key][0] == 0]

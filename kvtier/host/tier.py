@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -455,7 +456,7 @@ class HostTier:
                 self._allocation_failures += 1
                 return None
             # Every offered key is protected: evicting one to store another would thrash.
-            victims = policy.evict(need, offered.union(protect) if protect else offered)
+            victims = policy.evict(need, _Union(offered, protect) if protect else offered)
             if victims is None:
                 self._allocation_failures += 1
                 return None
@@ -558,3 +559,21 @@ class HostTier:
                 record.reused.add(key)
         if new_keys:
             self._policy.on_request_access(new_keys, ctx)
+
+
+class _Union(AbstractSet[bytes]):
+    """Two sets of keys seen as one, without copying either (the policies only ask ``in``)."""
+
+    def __init__(self, first: AbstractSet[bytes], second: Collection[bytes]) -> None:
+        self._first = first
+        self._second = second
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._first or key in self._second
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self._first
+        yield from (key for key in self._second if key not in self._first)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, ClassVar
 
 from kvtier.context import RequestContext
@@ -152,7 +153,7 @@ class ARCPolicy(CachePolicy):
             return []
         if n > len(self._t1) + len(self._t2):
             return None
-        protected_set = protected if isinstance(protected, (set, frozenset)) else frozenset(protected)
+        protected_set = protected if isinstance(protected, AbstractSet) else frozenset(protected)
         t1_scan = _eligible(self._t1, protected_set)
         t2_scan = _eligible(self._t2, protected_set)
         target = int(self._target_t1_size)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Collection, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from kvtier.context import RequestContext
@@ -161,7 +162,7 @@ class LRUPolicy(CachePolicy):
             return []
         if n > len(self._evictable):
             return None
-        protected_set = protected if isinstance(protected, (set, frozenset)) else frozenset(protected)
+        protected_set = protected if isinstance(protected, AbstractSet) else frozenset(protected)
         heap = self._heap
         victims: list[_Rank] = []
         set_aside: list[_Rank] = []

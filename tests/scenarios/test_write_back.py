@@ -223,3 +223,27 @@ async def test_random_stores_and_loads_with_write_back_and_selective_tiers_never
         assert engine.manager.jobs_in_flight == 0
         assert engine.statistics()["0:primary"].pinned_slots == 0
         assert engine.statistics()["manager"].write_policies["1:faulty"].dirty_chunks == 0
+
+
+@pytest.mark.anyio
+async def test_a_load_waiting_on_a_store_in_progress_is_woken_when_it_completes() -> None:
+    """With a write-back tier nothing cascades at store: the store's own completion must wake a
+    load that found its chunk still being written (it otherwise waited out wait_timeout_s and
+    missed)."""
+    kv = device_kv()
+    tier = {"type": "memory", "capacity_bytes": 1 << 24, "write_policy": "write_back"}
+    async with kvtier.open(config(tier), GEOMETRY, kv, wait_timeout_s=10) as engine:
+        for layer, data in zip(kv, chunk_payload(0)):
+            layer[0].copy_(data)
+        loaded: list[int] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(engine.store, prompt(0), [0])
+            await anyio.wait_all_tasks_blocked()  # the store is copying: its chunk is being written
+
+            async def load_it() -> None:
+                loaded.append(await engine.load(prompt(0), [1]))
+
+            tg.start_soon(load_it)
+        assert loaded == [BLOCK]
+        assert engine.statistics()["loads"].wait_timeouts == 0  # woken by the store, not by its deadline
+        assert engine.statistics()["manager"].write_policies["1:memory"].chunks_written_back == 0
