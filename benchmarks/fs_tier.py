@@ -35,8 +35,33 @@ alone, on cache-hot and cold slots). Where every core is busy — page-cache I/O
 throughput is this figure turned upside down, so it tells what an unfavourable ratio is made of.
 The collector's heap is frozen after start-up (``gc.freeze()``), as vLLM's engine core does.
 
+**--profile**: where each microsecond of a chunk goes, a per-stage profile of the store and load
+paths instead of the comparison. Drives a real :class:`~kvtier.tiers.fs.tier.FileSystemTier` (jobs of 64 chunks through
+``submit_store``/``submit_load``, as ``benchmarks/fs_tier.py`` does) with its blocking calls timed
+where the chunk code makes them: the module attributes the fs tier's chunk code calls through
+(``os`` and ``beneath`` of :mod:`kvtier.tiers.fs.chunks`, the trailer and identity helpers of
+:mod:`kvtier.tiers.fs.tier`) are swapped for timing wrappers for the run (one process, nothing
+else changes). Per chunk, in µs of CPU time of the thread that ran it (medians of ``--repeats``):
+
+* **containment/open**: opening the shard directory beneath the tree, the existence check, and
+  the create (store) or ``openat2`` open (load) of the chunk file;
+* **write** / **read**: the ``pwritev``/``preadv`` (the kernel's copy, or the device with ``O_DIRECT``);
+* **close**: closing the file (and the shard directory);
+* **trailer**: the identity and the trailer page, less its checksum;
+* **checksum**: xxh3-64 of the payload, measured apart on the same slots in the same cache state
+  (cold host slots for a store or an ``O_DIRECT`` load; just after the copy of a page-cache load);
+* **rename/publish**: the ``renameat`` that publishes a stored chunk;
+* **worker glue**: the rest of the worker's time per chunk (Python between the calls above);
+* **index+accounting**, **metrics**, **loop other**: the event loop's CPU per chunk in the tier's
+  index, in its metrics (usage, transfer counters, events), and the rest of the loop's share
+  (the job runner, the hand-off from the pool, the job's completion);
+* **hand-off**: the workers' CPU per chunk beyond the stages above (waking, queues, slices).
+
+A stage timer costs ~0.6 µs a call (calibrated and subtracted). Contention for the cores shows up in the
+stages where it lands (a shard directory's lock spun on counts in containment/open). Run it on a quiet machine:
+
     python benchmarks/fs_tier.py [--root DIR] [--jobs 4] [--threads 4] [--repeats 7] [--mode both]
-                                 [--sizes 256,2048] [--no-vllm]
+                                 [--sizes 256,2048] [--no-vllm] [--profile]
     /tmp/vllm-venv/bin/python benchmarks/fs_tier.py      # with vLLM in a side virtualenv
 """
 
@@ -55,10 +80,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
+from typing import Any
 
 import anyio
 import numpy as np
@@ -71,6 +98,7 @@ from kvtier.keys import make_offload_key
 from kvtier.layout import KVGeometry, namespace
 from kvtier.tiers.base import JobResult, TierContext, TransferJob
 from kvtier.tiers.fs import chunks
+from kvtier.tiers.fs import tier as fs_tier_module
 from kvtier.tiers.fs.pool import usable_cpus
 from kvtier.tiers.fs.tier import FileSystemTier
 from kvtier.tiers.integrity import checksum
@@ -456,6 +484,239 @@ def print_tables(rows: list[Row], with_vllm: bool) -> None:
           "O_DIRECT); a store computes it for the trailer from the host slot (cold)")
 
 
+STORE_STAGES = ("containment/open", "write", "close", "trailer", "checksum", "rename/publish", "worker glue",
+                "hand-off", "index+accounting", "metrics", "loop other")
+LOAD_STAGES = ("containment/open", "read", "close", "trailer", "checksum", "worker glue",
+               "hand-off", "index+accounting", "metrics", "loop other")
+
+_os_stage = {"open": "containment/open", "stat": "containment/open", "fstat": "containment/open",
+             "pwritev": "io", "pwrite": "io", "preadv": "io", "close": "close", "replace": "rename/publish",
+             "rename": "rename/publish", "unlink": "rename/publish", "lseek": "io"}
+_beneath_stage = {"open_dir": "containment/open", "open_file": "containment/open", "lstat": "containment/open",
+                  "remove_entry": "rename/publish"}
+
+
+class Clock:
+    """Per-thread accumulators of CPU time by stage, and of the calls made."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._all: list[dict[str, list[float]]] = []
+        self._lock = threading.Lock()
+        self.overhead = 0.0
+
+    def table(self) -> dict[str, list[float]]:
+        table = getattr(self._local, "table", None)
+        if table is None:
+            table = self._local.table = defaultdict(lambda: [0.0, 0])
+            with self._lock:
+                self._all.append(table)
+        return table
+
+    def wrap(self, stage: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        perf = time.thread_time
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            entry = self.table()[stage]
+            start = perf()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                entry[0] += perf() - start
+                entry[1] += 1
+        return timed
+
+    def reset(self) -> None:
+        with self._lock:
+            for table in self._all:
+                table.clear()
+
+    def totals(self) -> dict[str, float]:
+        """Seconds by stage, less the timer's own cost."""
+        out: dict[str, float] = defaultdict(float)
+        with self._lock:
+            for table in self._all:
+                for stage, (seconds, calls) in table.items():
+                    out[stage] += max(0.0, seconds - calls * self.overhead)
+        return out
+
+
+def calibrate(clock: Clock) -> float:
+    noop = clock.wrap("calibration", lambda: None)
+    n = 100_000
+    start = time.thread_time()
+    for _ in range(n):
+        noop()
+    timed = time.thread_time() - start
+    start = time.thread_time()
+    for _ in range(n):
+        (lambda: None)()
+    bare = time.thread_time() - start
+    return max(0.0, (timed - bare) / n)
+
+
+@contextlib.contextmanager
+def instrumented(clock: Clock) -> Iterator[None]:
+    """Swap the chunk code's ``os``/``beneath`` and trailer helpers for timing wrappers."""
+    swaps: list[tuple[Any, str, Any]] = []
+
+    def proxy(module: ModuleType, stages: dict[str, str]) -> SimpleNamespace:
+        ns = SimpleNamespace(**{name: getattr(module, name) for name in dir(module) if not name.startswith("__")})
+        for name, stage in stages.items():
+            if hasattr(module, name):
+                setattr(ns, name, clock.wrap(stage, getattr(module, name)))
+        return ns
+
+    swaps.append((chunks, "os", proxy(os, _os_stage)))
+    swaps.append((chunks, "beneath", proxy(chunks.beneath, _beneath_stage)))
+    for name in ("make_trailer_page", "identity", "trailer_page_for"):
+        if hasattr(fs_tier_module, name):
+            swaps.append((fs_tier_module, name, clock.wrap("trailer", getattr(fs_tier_module, name))))
+    swaps.append((chunks, "verify", clock.wrap("trailer", chunks.verify)))
+    saved = [(obj, name, getattr(obj, name)) for obj, name, _ in swaps]
+    for obj, name, value in swaps:
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for obj, name, value in saved:
+            setattr(obj, name, value)
+
+
+def wrap_loop_side(tier: FileSystemTier, clock: Clock) -> None:
+    """Time the loop's index and metrics calls (instance attributes: this tier only)."""
+    for name in ("reserve", "pin", "unpin", "pin_all", "unpin_all", "touch", "touch_or_add", "size_of",
+                 "remove", "add", "pin_batch", "settle_batch"):
+        if hasattr(tier.index, name):
+            setattr(tier.index, name, clock.wrap("index+accounting", getattr(tier.index, name)))
+    for name in ("record_transfer", "set_usage", "emit_stored", "emit_removed", "_publish_usage"):
+        if hasattr(tier, name):
+            setattr(tier, name, clock.wrap("metrics", getattr(tier, name)))
+
+
+async def profile_round(root: Path, host: SlotBuffer, geometry: Any, args: argparse.Namespace, tag: str,
+                        buffered: bool, clock: Clock) -> dict[str, dict[str, float]]:
+    """One tier, ``jobs`` store jobs then ``jobs`` load jobs, one at a time; µs per chunk by stage."""
+    half = max(1, args.threads // 2)
+    config = TierConfig(index=0, type="fs", options={
+        "root_dir": str(root / f"tier_{tag}"), "n_read_threads": half, "n_write_threads": max(1, args.threads - half)})
+    context = TierContext(index=0, label="1:fs", slot_bytes=host.slot_bytes, host=host, geometry=geometry,
+                          blocks_per_chunk=1, run_fields=geometry.run_fields(1))
+    tier = FileSystemTier(config, context)
+    n = args.jobs * CHUNKS_PER_JOB
+    keys = trial_keys(tag, n)
+    out: dict[str, dict[str, float]] = {}
+
+    async def run(is_promotion: bool) -> dict[str, float]:
+        wake = anyio.Event()
+
+        def wakeup() -> None:
+            wake.set()
+
+        tier.set_wakeup(wakeup)
+        os.sync()
+        clock.reset()
+        loop0, cpu0 = time.thread_time(), time.process_time()
+        for j in range(args.jobs):
+            slots = [(j * CHUNKS_PER_JOB + i) % host.num_slots for i in range(CHUNKS_PER_JOB)]
+            job = TransferJob(j + (1000 if is_promotion else 0), keys[j * 64:(j + 1) * 64], slots, is_promotion)
+            (tier.submit_load if is_promotion else tier.submit_store)(job)
+        done = 0
+        while done < args.jobs:
+            await wake.wait()
+            wake = anyio.Event()
+            results = tier.get_finished_jobs()
+            if not all(r.success for r in results):
+                raise RuntimeError(f"profile job failed: {[r.failure_reason for r in results]}")
+            done += len(results)
+        loop_cpu, cpu = time.thread_time() - loop0, time.process_time() - cpu0
+        totals = clock.totals()
+        us = {stage: 1e6 * seconds / n for stage, seconds in totals.items()}
+        loop_us = 1e6 * loop_cpu / n
+        worker_cpu_us = 1e6 * (cpu - loop_cpu) / n
+        row = {stage: us.get(stage, 0.0) for stage in ("containment/open", "close", "trailer", "rename/publish")}
+        row["write" if not is_promotion else "read"] = us.get("io", 0.0)
+        row["checksum"] = checksum_us(host, slots_of(n, host), after_read=is_promotion and not tier.o_direct)
+        # The trailer wrappers time the checksum of a store (and verify's of a load) too.
+        row["trailer"] = max(0.0, row["trailer"] - row["checksum"])
+        row["worker glue"] = max(0.0, us.get("worker", 0.0) - sum(row.values()))
+        row["hand-off"] = max(0.0, worker_cpu_us - us.get("worker", 0.0))
+        row["index+accounting"] = us.get("index+accounting", 0.0)
+        row["metrics"] = us.get("metrics", 0.0)
+        row["loop other"] = max(0.0, loop_us - row["index+accounting"] - row["metrics"])
+        row["total CPU"] = 1e6 * cpu / n
+        return row
+
+    with forced_buffered(buffered), instrumented(clock):
+        # The tier's per-chunk worker functions, timed whole (the glue is what the stages leave).
+        worker_fns = {name: getattr(fs_tier_module, name) for name in ("_store", "_load_verified")}
+        for name, fn in worker_fns.items():
+            setattr(fs_tier_module, name, clock.wrap("worker", fn))
+        try:
+            async with anyio.create_task_group() as tg:
+                await tg.start(tier.run)
+                wrap_loop_side(tier, clock)
+                try:
+                    out["store"] = await run(False)
+                    out["load"] = await run(True)
+                    out["mode"] = {"o_direct": float(tier.o_direct)}
+                finally:
+                    await tier.aclose()
+        finally:
+            for name, fn in worker_fns.items():
+                setattr(fs_tier_module, name, fn)
+    return out
+
+
+def slots_of(n: int, host: SlotBuffer) -> list[int]:
+    return [i % host.num_slots for i in range(n)]
+
+
+def checksum_us(host: SlotBuffer, slots: list[int], *, after_read: bool) -> float:
+    """µs per chunk of xxh3-64 in the state the path meets the bytes: cold host slots (a store,
+    or an O_DIRECT load), or just after the bytes were copied in (a page-cache load: hot)."""
+    views = [host.view(s) for s in slots]
+    scratch = bytearray(host.slot_bytes)
+    total = 0.0
+    for view in views:
+        if after_read:
+            scratch[:] = view  # the copy a page-cache read makes; then the hash, timed alone
+        t = time.thread_time()
+        checksum(memoryview(scratch) if after_read else view)
+        total += time.thread_time() - t
+    return 1e6 * total / len(views)
+
+
+def profile_main(args: argparse.Namespace) -> None:
+    """``--profile``: the per-stage table (see :func:`profile_round`) instead of the comparison."""
+    clock = Clock()
+    clock.overhead = calibrate(clock)
+    root = Path(args.root or tempfile.mkdtemp(prefix="kvtier-profile-"))
+    modes = {"auto": [False], "buffered": [True], "both": [False, True]}[args.mode]
+    print(f"fs tier per-chunk profile: CPU µs per chunk (median of {args.repeats}), {args.jobs} jobs x 64 chunks, "
+          f"{args.threads} threads; stage timer {1e6 * clock.overhead:.2f} µs/call subtracted")
+    try:
+        for buffered in modes:
+            for kib in (int(x) for x in args.sizes.split(",")):
+                slot_bytes = kib * 1024
+                geometry = geometry_for(slot_bytes)
+                host = SlotBuffer(min(args.jobs * 64, 256), slot_bytes, pin_memory=False)
+                try:
+                    host.array[:] = 0x5A
+                    anyio.run(profile_round, root, host, geometry, args, f"{kib}_{int(buffered)}_w", buffered, clock)
+                    rounds = [anyio.run(profile_round, root, host, geometry, args, f"{kib}_{int(buffered)}_{r}",
+                                        buffered, clock) for r in range(args.repeats)]
+                finally:
+                    host.close()
+                mode = "O_DIRECT" if rounds[0]["mode"]["o_direct"] else "buffered"
+                for op, stages in (("store", STORE_STAGES), ("load", LOAD_STAGES)):
+                    cells = [f"{stage} {statistics.median(r[op][stage] for r in rounds):.1f}"
+                             for stage in stages + ("total CPU",)]
+                    print(f"{kib:>5} KiB {mode:>8} {op:>5}: " + " | ".join(cells))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> None:
     logging.getLogger("kvtier.tiers.fs.tier").setLevel(logging.ERROR)  # the unbounded-tier warning
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -467,7 +728,14 @@ def main() -> None:
                         help="auto: each tier probes O_DIRECT and raw uses kvtier's choice; buffered: page cache")
     parser.add_argument("--sizes", default="256,2048", help="chunk sizes in KiB, comma separated")
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM comparison even if importable")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the per-stage profile of kvtier's store and load paths instead of the comparison")
     args = parser.parse_args()
+    if args.profile:
+        gc.collect()
+        gc.freeze()
+        profile_main(args)
+        return
 
     vllm, why_not = (None, "--no-vllm given") if args.no_vllm else load_vllm()
     if vllm is not None:

@@ -80,7 +80,10 @@ class ChunkIndex:
         self._table = array("i", [_EMPTY]) * buckets
         self._old: array[int] | None = None
         self._old_done = self._old_start = 0
-        self._leaf_heads: dict[int, array[int]] = {}
+        # Per group, per top directory: the first slot of each of its leaves (an array made when
+        # the top first holds a chunk; one array for the whole group would be 4 MiB to fill on
+        # the event loop at the group's first chunk).
+        self._leaf_heads: dict[int, list[array[int] | None]] = {}
         self._top_counts: dict[int, array[int]] = {}  # chunks per top directory, per group
         self._cold_top = 0  # no cold bucket above this one holds a chunk
         self._busy: dict[bytes, int] = {}
@@ -109,9 +112,10 @@ class ChunkIndex:
 
     def leaf_keys(self, group: int, leaf: int) -> list[bytes]:
         """Keys indexed in one shard directory."""
-        heads = self._leaf_heads.get(group)
+        tops = self._leaf_heads.get(group)
+        heads = None if tops is None else tops[leaf >> 8]
         out: list[bytes] = []
-        slot = _EMPTY if heads is None else heads[leaf]
+        slot = _EMPTY if heads is None else heads[leaf & 0xFF]
         while slot != _EMPTY:
             out.append(self._key(slot))
             slot = self._lnext[slot]
@@ -119,11 +123,20 @@ class ChunkIndex:
 
     def leaves_in_top(self, group: int, top: int) -> list[int]:
         """Leaves of top directory ``top`` (12 bits) holding indexed chunks of ``group``."""
-        heads = self._leaf_heads.get(group)
+        tops = self._leaf_heads.get(group)
+        heads = None if tops is None else tops[top]
         if heads is None or not self._top_counts[group][top]:
             return []
         base = top << 8
-        return [base | i for i in range(256) if heads[base | i] != _EMPTY]
+        return [base | i for i, head in enumerate(heads) if head != _EMPTY]
+
+    def held_tops(self) -> set[int]:
+        """Top directories (12 bits each) holding an indexed chunk of any group."""
+        held: set[int] = set()
+        for tops in self._leaf_heads.values():
+            held.update(top for top, heads in enumerate(tops) if heads is not None)
+        counts = self._top_counts
+        return {top for top in held if any(c[top] for c in counts.values())}
 
     @property
     def groups(self) -> list[int]:
@@ -134,7 +147,8 @@ class ChunkIndex:
         ``MAX_REMOVAL_RECORDS`` of them, several MiB, while evictions outpace the scans)."""
         arrays: list[array[int] | array[float]] = [
             self._size, self._stored, self._seen, self._prev, self._next, self._lnext, self._table,
-            *self._leaf_heads.values(), *self._top_counts.values()]
+            *(heads for tops in self._leaf_heads.values() for heads in tops if heads is not None),
+            *self._top_counts.values()]
         total = len(self._keys) + len(self._klen) + sum(len(a) * a.itemsize for a in arrays)
         if self._old is not None:
             total += len(self._old) * self._old.itemsize
@@ -402,13 +416,18 @@ class ChunkIndex:
         self._klen[slot] = n
         self._size[slot] = size
         group, leaf = leaf_of(key)
-        heads = self._leaf_heads.get(group)
+        tops = self._leaf_heads.get(group)
+        if tops is None:
+            tops = self._leaf_heads[group] = [None] * TOPS
+            self._top_counts[group] = array("i", bytes(4 * TOPS))
+        top = leaf >> 8
+        heads = tops[top]
         if heads is None:
-            heads = self._leaf_heads[group] = array("i", [_EMPTY]) * (TOPS * LEAVES_PER_TOP)
-            self._top_counts[group] = array("i", bytes(4 * 4096))
+            heads = tops[top] = array("i", [_EMPTY]) * LEAVES_PER_TOP
+        leaf &= 0xFF
         self._lnext[slot] = heads[leaf]
         heads[leaf] = slot
-        self._top_counts[group][leaf >> 8] += 1
+        self._top_counts[group][top] += 1
         self._n += 1
         self.used += size
         return slot
@@ -417,7 +436,10 @@ class ChunkIndex:
         self._unlink(slot)
         self._table_delete(key)
         group, leaf = leaf_of(key)
-        heads = self._leaf_heads[group]
+        heads = self._leaf_heads[group][leaf >> 8]
+        assert heads is not None
+        self._top_counts[group][leaf >> 8] -= 1
+        leaf &= 0xFF
         lnext = self._lnext
         if heads[leaf] == slot:
             heads[leaf] = lnext[slot]
@@ -426,7 +448,6 @@ class ChunkIndex:
             while lnext[prev] != slot:
                 prev = lnext[prev]
             lnext[prev] = lnext[slot]
-        self._top_counts[group][leaf >> 8] -= 1
         self._n -= 1
         self.used -= self._size[slot]
         self._release_slot(slot)

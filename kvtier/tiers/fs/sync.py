@@ -294,7 +294,12 @@ class TreeSync:
                 spent += time.perf_counter() - slice_start
                 await self._yield_slice(dropped)
                 slice_start = time.perf_counter()
+        # A pass's first batch names every top directory the root lacks (4096 on a new tree):
+        # only those the index holds chunks in have anything to drop.
+        held = self.index.held_tops() if batch.tops else set()
         for top in batch.tops:
+            if top.top not in held:
+                continue
             self._apply_top(top, dropped)
             if time.perf_counter() - slice_start > _SLICE_S:
                 spent += time.perf_counter() - slice_start
