@@ -26,6 +26,9 @@ Checks (each is one JSON record: name, passed, and what was measured):
   thread.
 * ``layerwise`` — the gaps between the groups of a 32-layer layer-wise load, and an early exit
   (leaving after the first group) that ends without a hang and leaves nothing pinned.
+* ``hybrid`` — a hybrid model (full attention, a sliding window, a state group with two dtypes)
+  stores a prompt and loads it into other blocks: full attention gets every block, the window only
+  its last chunks (the blocks before it untouched), the state group only the state at the hit.
 * ``pinned_growth`` — the host's pinned memory (``VmPin``, else ``VmLck``) grows by exactly the
   slot buffer's bytes for an odd size, and shrinks back at close.
 """
@@ -333,6 +336,38 @@ def layerwise() -> Record:
             "bytes_checked": same}
 
 
+def hybrid() -> Record:
+    """A hybrid model (full attention, a sliding window, two state tensors of different dtypes) on
+    CUDA tensors: each group loads exactly what it needs, byte for byte."""
+    block, window, heads, dim = 16, 32, 8, 128
+    group = kvtier.KVCacheGroup
+    model = kvtier.KVModel("gpu-check/hybrid", "bfloat16", groups=(
+        group.full_attention(block_size=block, layer_names=["l.0", "l.2"], num_kv_heads=heads, head_dim=dim),
+        group.sliding_window(window=window, block_size=block, layer_names=["l.1"], num_kv_heads=heads, head_dim=dim),
+        group.mamba(block_size=2 * block, layer_names=["l.3"], state_shapes=[(3, 256), (8, 64, 16)],
+                    state_dtypes=["bfloat16", "float32"]),
+    ))
+    kv: dict[str, Any] = {name: torch.randn((24, 2, block, heads, dim), device="cuda").to(torch.bfloat16)
+                          for name in ("l.0", "l.1", "l.2")}
+    kv["l.3"] = (torch.randn((24, 3, 256), device="cuda").to(torch.bfloat16), torch.randn((24, 8, 64, 16), device="cuda"))
+    reference = {name: (tuple(t.clone() for t in v) if isinstance(v, tuple) else v.clone()) for name, v in kv.items()}
+    tokens = list(range(8 * block))
+    config = {"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 32 * model.slot_bytes(1)}
+
+    async def main() -> int:
+        async with kvtier.open(config, model, kv) as engine:
+            await engine.store(tokens, [list(range(8)), list(range(8)), list(range(4))])
+            return await engine.load(tokens, [list(range(8, 16)), list(range(8, 16)), list(range(4, 8))])
+
+    loaded = anyio.run(main, backend="asyncio")
+    torch.cuda.synchronize()
+    full = all(torch.equal(kv[n][8:16], reference[n][0:8]) for n in ("l.0", "l.2"))
+    window_ok = torch.equal(kv["l.1"][14:16], reference["l.1"][6:8]) and torch.equal(kv["l.1"][8:14], reference["l.1"][8:14])
+    state = all(torch.equal(t[7], r[3]) for t, r in zip(kv["l.3"], reference["l.3"]))
+    return {"name": "hybrid", "passed": loaded == len(tokens) and full and window_ok and state, "loaded": loaded,
+            "full_attention_ok": full, "window_only_ok": window_ok, "state_ok": state}
+
+
 def _pinned_kib() -> int | None:
     fields = {}
     with open("/proc/self/status") as status:
@@ -380,6 +415,7 @@ def main() -> int:
         + [r for layout in ("cross_layer", "per_layer") for r in _bandwidth_case(layout, 2, 8, total_mib)],
         lambda: _bandwidth_case("per_layer", 2, 1, total_mib, busy_thread=True),
         layerwise,
+        hybrid,
         pinned_growth,
     ]
     records: list[Record] = []
