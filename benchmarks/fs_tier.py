@@ -492,7 +492,8 @@ LOAD_STAGES = ("containment/open", "read", "close", "trailer", "checksum", "work
 _os_stage = {"open": "containment/open", "stat": "containment/open", "fstat": "containment/open",
              "pwritev": "io", "pwrite": "io", "preadv": "io", "close": "close", "replace": "rename/publish",
              "rename": "rename/publish", "unlink": "rename/publish", "lseek": "io"}
-_beneath_stage = {"open_dir": "containment/open", "open_file": "containment/open", "lstat": "containment/open",
+_beneath_stage = {"open_dir": "containment/open", "open_or_make_dir": "containment/open",
+                  "open_file": "containment/open", "lstat": "containment/open",
                   "remove_entry": "rename/publish"}
 
 
@@ -569,7 +570,7 @@ def instrumented(clock: Clock) -> Iterator[None]:
 
     swaps.append((chunks, "os", proxy(os, _os_stage)))
     swaps.append((chunks, "beneath", proxy(chunks.beneath, _beneath_stage)))
-    for name in ("make_trailer_page", "identity", "trailer_page_for"):
+    for name in ("make_trailer_page", "identity", "trailer_page_for", "write_trailer"):
         if hasattr(fs_tier_module, name):
             swaps.append((fs_tier_module, name, clock.wrap("trailer", getattr(fs_tier_module, name))))
     swaps.append((chunks, "verify", clock.wrap("trailer", chunks.verify)))
@@ -586,7 +587,7 @@ def instrumented(clock: Clock) -> Iterator[None]:
 def wrap_loop_side(tier: FileSystemTier, clock: Clock) -> None:
     """Time the loop's index and metrics calls (instance attributes: this tier only)."""
     for name in ("reserve", "pin", "unpin", "pin_all", "unpin_all", "touch", "touch_or_add", "size_of",
-                 "remove", "add", "pin_batch", "settle_batch"):
+                 "remove", "add", "pin_batch", "settle_batch", "reserve_all"):
         if hasattr(tier.index, name):
             setattr(tier.index, name, clock.wrap("index+accounting", getattr(tier.index, name)))
     for name in ("record_transfer", "set_usage", "emit_stored", "emit_removed", "_publish_usage"):

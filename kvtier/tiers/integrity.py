@@ -64,6 +64,7 @@ __all__ = [
     "identity",
     "pack_trailer",
     "make_trailer_page",
+    "write_trailer",
     "stored_size",
     "classify_size",
     "recorded_length",
@@ -152,6 +153,22 @@ def pack_trailer(payload: memoryview | bytes, chunk_identity: bytes) -> bytes:
 def make_trailer_page(payload: memoryview | bytes, chunk_identity: bytes) -> bytes:
     """The full TRAILER_PAGE bytes appended after ``payload`` (zeros, then the trailer)."""
     return bytes(TRAILER_PAGE - TRAILER_SIZE) + pack_trailer(payload, chunk_identity)
+
+
+def write_trailer(page: memoryview | bytearray, payload: memoryview | bytes, key: bytes, run_fingerprint: bytes) -> None:
+    """Write the :data:`TRAILER_SIZE` trailer of ``payload`` as chunk ``key`` of run
+    ``run_fingerprint`` (the bytes of :func:`pack_trailer` with :func:`identity`) into the last
+    bytes of ``page``, in place: the store path's way to a trailer page without building one.
+    The rest of ``page`` is left as it is; for a trailer page the caller keeps it zero. Raises
+    ``ValueError`` as :func:`identity` does.
+    """
+    if len(key) > MAX_KEY_BYTES:
+        raise ValueError(f"offload key of {len(key)} bytes does not fit the trailer ({MAX_KEY_BYTES} max)")
+    if len(run_fingerprint) != RUN_FINGERPRINT_BYTES:
+        raise ValueError(f"run fingerprint must be {RUN_FINGERPRINT_BYTES} bytes, got {len(run_fingerprint)}")
+    end = len(page)
+    _IDENTITY.pack_into(page, end - TRAILER_SIZE, run_fingerprint, len(key), key)
+    _TAIL.pack_into(page, end - TAIL_SIZE, MAGIC, FORMAT_VERSION, 0, len(payload), _xxh3_64(payload))
 
 
 def stored_size(slot_bytes: int) -> int:

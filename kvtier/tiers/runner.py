@@ -186,26 +186,30 @@ class JobRunner:
             return
         # One writer per key: claim the job's free keys and write them as one batch; keys another
         # job is writing (or repeated in this job) wait for the next round.
+        # One event per round, shared by the keys it claims (all are released together).
+        being_written = self._keys_being_written
         while pending:
             ready: list[int] = []
             waiting: list[int] = []
-            claimed: dict[bytes, anyio.Event] = {}
+            claimed: list[bytes] = []
+            done = anyio.Event()
             for i in pending:
                 key = job.keys[i]
-                if key in claimed or key in self._keys_being_written:
+                if key in being_written:  # another job's, or repeated in this one
                     waiting.append(i)
                 else:
-                    claimed[key] = self._keys_being_written[key] = anyio.Event()
+                    being_written[key] = done
+                    claimed.append(key)
                     ready.append(i)
             if ready:
                 try:
                     await self._call_batch(record, self._tier.write_many, ready, views, reasons)
                 finally:
-                    for key, done in claimed.items():
-                        del self._keys_being_written[key]
-                        done.set()
+                    for key in claimed:
+                        del being_written[key]
+                    done.set()
             else:
-                busy = self._keys_being_written.get(job.keys[waiting[0]])
+                busy = being_written.get(job.keys[waiting[0]])
                 if busy is not None:
                     await busy.wait()
             pending = waiting

@@ -34,6 +34,7 @@ __all__ = [
     "UnsafeEntry",
     "open_file",
     "open_dir",
+    "open_or_make_dir",
     "lstat",
     "remove_entry",
     "has_openat2",
@@ -238,30 +239,45 @@ def open_dir(dir_fd: int, relpath: str, *, create: bool = False) -> int:
     """
     if not relpath:
         return os.open(".", _DIR_FLAGS, dir_fd=dir_fd)
-    while True:
-        try:
-            return _open_beneath(dir_fd, relpath, _DIR_FLAGS)
-        except FileNotFoundError:
-            if not create:
+    if create:
+        return open_or_make_dir(dir_fd, relpath)[0]
+    return _open_beneath(dir_fd, relpath, _DIR_FLAGS)
+
+
+def open_or_make_dir(dir_fd: int, relpath: str) -> tuple[int, bool]:
+    """:func:`open_dir` with ``create=True`` (``relpath`` not empty), and whether this call made
+    the last directory of ``relpath`` (it was then empty a moment ago; another process may
+    write into it since)."""
+    try:
+        return _open_beneath(dir_fd, relpath, _DIR_FLAGS), False
+    except FileNotFoundError:
+        pass
+    # Make the missing components one at a time, each beneath an already safe parent, and keep
+    # the last one open: each was opened O_NOFOLLOW as a directory, so it is what a resolution
+    # beneath dir_fd would give.
+    fd = dir_fd
+    made = False
+    try:
+        for part in _components(relpath):
+            try:
+                os.mkdir(part, 0o755, dir_fd=fd)
+                made = True
+            except FileExistsError:
+                made = False
+            try:
+                next_fd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in _UNSAFE_ERRNOS:
+                    raise UnsafeEntry(relpath, "symbolic link or non-directory on the way") from None
                 raise
-        # Make the missing components one at a time, each beneath an already safe parent.
-        parent_fd = os.open(".", _DIR_FLAGS, dir_fd=dir_fd)
-        try:
-            for part in _components(relpath):
-                try:
-                    os.mkdir(part, 0o755, dir_fd=parent_fd)
-                except FileExistsError:
-                    pass
-                try:
-                    next_fd = os.open(part, _DIR_FLAGS, dir_fd=parent_fd)
-                except OSError as exc:
-                    if exc.errno in _UNSAFE_ERRNOS:
-                        raise UnsafeEntry(relpath, "symbolic link or non-directory on the way") from None
-                    raise
-                os.close(parent_fd)
-                parent_fd = next_fd
-        finally:
-            os.close(parent_fd)
+            if fd != dir_fd:
+                os.close(fd)
+            fd = next_fd
+    except BaseException:
+        if fd != dir_fd:
+            os.close(fd)
+        raise
+    return fd, made
 
 
 def lstat(dir_fd: int, relpath: str) -> os.stat_result | None:

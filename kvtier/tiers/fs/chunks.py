@@ -44,6 +44,7 @@ from kvtier.tiers.integrity import (
 __all__ = [
     "probe_o_direct",
     "write_chunk",
+    "trailer_page",
     "read_chunk",
     "load_chunk",
     "ReadOutcome",
@@ -86,6 +87,19 @@ def _scratch_page() -> memoryview:
     return page
 
 
+def trailer_page() -> memoryview:
+    """This thread's page for a store's trailer: page aligned, zero except its last
+    :data:`~kvtier.tiers.integrity.TRAILER_SIZE` bytes, where the caller writes the trailer
+    (:func:`kvtier.tiers.integrity.write_trailer`) before handing it to :func:`write_chunk`,
+    which then writes it as it is (no copy). Nothing else ever writes into it, so its zeros stay.
+    """
+    page = getattr(_scratch, "trailer", None)
+    if page is None:
+        _scratch.trailer_mapping = mmap.mmap(-1, TRAILER_PAGE)
+        page = _scratch.trailer = memoryview(_scratch.trailer_mapping)
+    return page
+
+
 def probe_o_direct(dir_fd: int) -> bool:
     """Whether the filesystem of directory ``dir_fd`` accepts an aligned ``O_DIRECT`` write
     (tmpfs, overlayfs and some NFS mounts do not). Writes and deletes one hidden probe file
@@ -111,9 +125,11 @@ def probe_o_direct(dir_fd: int) -> bool:
         _unlink_quietly(name, dir_fd)
 
 
-def write_chunk(dir_fd: int, relpath: str, payload: memoryview, trailer_page: bytes, *, o_direct: bool) -> int:
-    """Publish ``payload`` + ``trailer_page`` at ``relpath`` beneath ``dir_fd`` atomically; return
-    the bytes written.
+def write_chunk(dir_fd: int, relpath: str, payload: memoryview, trailer: bytes | memoryview, *,
+                o_direct: bool) -> int:
+    """Publish ``payload`` + ``trailer`` (a trailer page) at ``relpath`` beneath ``dir_fd``
+    atomically; return the bytes written. ``trailer`` may be this thread's :func:`trailer_page`
+    (written as it is) or any bytes (copied into an aligned page first).
 
     Returns 0 without writing when a regular file of exactly that size is already there
     (content-addressed: it is the same chunk, and a load verifies it); anything else at the name
@@ -125,13 +141,16 @@ def write_chunk(dir_fd: int, relpath: str, payload: memoryview, trailer_page: by
     (host slots are).
     """
     head, _, name = relpath.rpartition("/")
-    total = len(payload) + len(trailer_page)
-    parent = beneath.open_dir(dir_fd, head, create=True)
+    total = len(payload) + len(trailer)
+    parent, made = beneath.open_or_make_dir(dir_fd, head) if head else (beneath.open_dir(dir_fd, ""), False)
     try:
-        try:
-            st = os.stat(name, dir_fd=parent, follow_symlinks=False)
-        except FileNotFoundError:
-            st = None
+        # A directory this call made holds nothing to keep or check: no lookup of the name.
+        st = None
+        if not made:
+            try:
+                st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+            except FileNotFoundError:
+                pass
         if st is not None:
             if stat.S_ISREG(st.st_mode) and st.st_size == total:
                 return 0
@@ -142,14 +161,18 @@ def write_chunk(dir_fd: int, relpath: str, payload: memoryview, trailer_page: by
                      | (_O_DIRECT if o_direct else 0), 0o644, dir_fd=parent)
         try:
             try:
-                page = _scratch_page()
-                tail = page[TRAILER_PAGE - len(trailer_page) :]
-                tail[:] = trailer_page
+                if trailer is getattr(_scratch, "trailer", None):
+                    tail = trailer
+                else:
+                    tail = _scratch_page()[TRAILER_PAGE - len(trailer) :]
+                    tail[:] = trailer
                 _write_fully(fd, payload, tail, o_direct)
             finally:
                 os.close(fd)
             try:
                 os.replace(tmp, name, src_dir_fd=parent, dst_dir_fd=parent)
+            except IsADirectoryError:  # made under the name since it was looked at (or made into a new directory)
+                raise UnsafeEntry(relpath, "a directory where a chunk file belongs") from None
             except FileExistsError:
                 # Some shared filesystems refuse to replace: another writer won with the same bytes.
                 _unlink_quietly(tmp, parent)

@@ -28,7 +28,7 @@ import math
 import sys
 import time
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from kvtier.tiers.errors import TierIOError
 from kvtier.tiers.fs.tree import LEAVES_PER_TOP, MAX_KEY_BYTES, TOPS, leaf_of
@@ -326,6 +326,46 @@ class ChunkIndex:
                 victims = picked
         self.add(key, size)
         return victims
+
+    def reserve_all(self, keys: Sequence[bytes], size: int) -> tuple[list[bool | TierIOError], list[tuple[bytes, float]]]:
+        """A store job's bookkeeping before its I/O, in one call: per key in job order, ``False``
+        when the key is held at ``size`` already (it becomes the most recent), ``True`` when
+        :meth:`reserve` counted it now, or the ``TierIOError`` that reservation raised. Every key
+        not failed is pinned. Also returns the victims of all the reservations (see :meth:`reserve`)."""
+        outcomes: list[bool | TierIOError] = []
+        victims: list[tuple[bytes, float]] = []
+        busy, sizes, capacity = self._busy, self._size, self.capacity
+        stored_at: float | None = None
+        seen = 0.0
+        for key in keys:
+            slot = self._find(key)
+            if slot >= 0 and sizes[slot] == size:
+                self._unlink(slot)
+                self._push_hot(slot)
+                outcomes.append(False)
+            elif capacity is None or (self.complete and self.used + size - (sizes[slot] if slot >= 0 else 0) <= capacity):
+                # Room without victims: reserve() amounts to add(), done here with one lookup.
+                if stored_at is None:
+                    stored_at, seen = time.time() - self._epoch, time.monotonic()
+                if slot >= 0:
+                    self.used += size - sizes[slot]
+                    sizes[slot] = size
+                    self._unlink(slot)
+                else:
+                    slot = self._insert(key, size)
+                self._stored[slot] = stored_at
+                self._seen[slot] = seen
+                self._push_hot(slot)
+                outcomes.append(True)
+            else:
+                try:
+                    victims.extend(self.reserve(key, size))
+                except TierIOError as exc:
+                    outcomes.append(exc)
+                    continue
+                outcomes.append(True)
+            busy[key] = busy.get(key, 0) + 1
+        return outcomes, victims
 
     def over_capacity_victims(self, limit: int | None = None) -> list[tuple[bytes, float]]:
         """Pick (and remove) least recent idle chunks until ``used ≤ capacity``, at most

@@ -85,8 +85,8 @@ from kvtier.tiers.integrity import (
     REJECT_REASONS,
     Verdict,
     identity,
-    make_trailer_page,
     stored_size,
+    write_trailer,
 )
 from kvtier.types import Medium
 
@@ -143,7 +143,8 @@ def _store(dir_fd: int, fingerprint: bytes, o_direct: bool, key: bytes, src: mem
     :class:`_Repaired` so the tier can count the removal.
     """
     relpath = Namespace.chunk_relpath(key)
-    page = make_trailer_page(src, identity(key, fingerprint))
+    page = chunks.trailer_page()
+    write_trailer(page, src, key, fingerprint)
     try:
         return chunks.write_chunk(dir_fd, relpath, src, page, o_direct=o_direct)
     except beneath.UnsafeEntry:
@@ -513,23 +514,17 @@ class FileSystemTier(SecondaryTier):
         writes.
         """
         outcomes: list[BaseException | None] = [None] * len(items)
+        earlier_deletions = list(self._deletions)
+        # The index is asked once per job, before the I/O and after it (not per chunk).
+        reservations, victims = self.index.reserve_all([key for key, _ in items], self._file_bytes)
         calls: list[tuple[bytes, memoryview]] = []
         started: list[tuple[int, bool]] = []  # (item index, newly reserved)
-        victims: list[tuple[bytes, float]] = []
-        earlier_deletions = list(self._deletions)
-        for i, (key, src) in enumerate(items):
-            already_stored = self.index.size_of(key) == self._file_bytes
-            if already_stored:
-                self.index.touch(key)  # recency is taken when the store starts (job order)
+        for i, reserved in enumerate(reservations):
+            if isinstance(reserved, TierIOError):
+                outcomes[i] = reserved
             else:
-                try:
-                    victims.extend(self.index.reserve(key, self._file_bytes))
-                except TierIOError as exc:
-                    outcomes[i] = exc
-                    continue
-            self.index.pin(key)
-            calls.append((key, src))
-            started.append((i, not already_stored))
+                calls.append(items[i])
+                started.append((i, reserved))
         self._report_evictions(victims)
         self._publish_usage()
         results: list[int | BaseException] | None = None
@@ -538,18 +533,20 @@ class FileSystemTier(SecondaryTier):
             results = await self._pool.run_batch(
                 IOQueue.WRITE, partial(_store, self._dir_fd, self.namespace.fingerprint, self.o_direct), calls)
         finally:
-            for n, (i, reserved) in enumerate(started):
-                key = items[i][0]
-                result = results[n] if results is not None else None
-                if isinstance(result, BaseException):
-                    outcomes[i] = result
-                elif isinstance(result, _Repaired):
-                    self._rejected.inc(1, "not_regular")
-                if reserved and (results is None or outcomes[i] is not None):
-                    self.index.remove(key)  # not on disk after all (or unknown, if cancelled)
-                    if results is None:  # cut short: it may be; the next pass looks
-                        self.sync.invalidate(key)
-                self.index.unpin(key)
+            if results is None:  # cut short: any chunk reserved now may or may not be on disk
+                for i, reserved in started:
+                    if reserved:
+                        self.index.remove(items[i][0])
+                        self.sync.invalidate(items[i][0])  # the next pass looks
+            elif not all(type(result) is int for result in results):  # the common case: all written
+                for (i, reserved), result in zip(started, results):
+                    if isinstance(result, BaseException):
+                        outcomes[i] = result
+                        if reserved:
+                            self.index.remove(items[i][0])  # not on disk after all
+                    elif isinstance(result, _Repaired):
+                        self._rejected.inc(1, "not_regular")
+            self.index.unpin_all([key for key, _ in calls])
             self._publish_usage()
         return outcomes
 
