@@ -45,7 +45,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from kvtier.bench.model import PoolExhausted, apply_rotary, rms_norm, rotary
+from kvtier.bench.model import PoolExhausted, apply_rotary, rms_norm, rotary, seeded_weight
 
 __all__ = ["LAYER_KINDS", "HybridConfig", "HybridDecoder", "HybridBlockPool", "HybridAllocation"]
 
@@ -218,8 +218,7 @@ class HybridDecoder:
         c = config
 
         def weight(fan_in: int, fan_out: int) -> torch.Tensor:
-            # Scaled so activations stay O(1) through the layers (well-conditioned logits).
-            return (torch.randn(fan_in, fan_out, generator=gen) / math.sqrt(fan_in)).to(self.device, dt)
+            return seeded_weight(gen, fan_in, fan_out, self.device, dt)
 
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.embed = torch.randn(c.vocab_size, c.hidden_size, generator=gen).to(self.device, dt)

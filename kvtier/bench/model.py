@@ -34,6 +34,7 @@ __all__ = [
     "PoolExhausted",
     "rotary",
     "rms_norm",
+    "seeded_weight",
     "apply_rotary",
     "LLAMA_8B_FLOPS_PER_TOKEN",
     "LLAMA_8B_KV_BYTES_PER_TOKEN",
@@ -113,10 +114,7 @@ class TinyDecoder:
         c = config
 
         def weight(fan_in: int, fan_out: int) -> torch.Tensor:
-            # Scaled so activations stay O(1) through the layers: logits stay well conditioned
-            # and a float tolerance check means something.
-            w = torch.randn(fan_in, fan_out, generator=gen) / math.sqrt(fan_in)
-            return w.to(device=self.device, dtype=dt)
+            return seeded_weight(gen, fan_in, fan_out, self.device, dt)
 
         q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         self.embed = (torch.randn(c.vocab_size, c.hidden_size, generator=gen)).to(self.device, dt)
@@ -225,6 +223,14 @@ class TinyDecoder:
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rotary(positions, self._inv_freq, self.config.torch_dtype)
+
+
+def seeded_weight(gen: torch.Generator, fan_in: int, fan_out: int, device: torch.device,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """A ``[fan_in, fan_out]`` weight drawn from ``gen``, scaled so activations stay O(1) through
+    the layers: logits stay well conditioned and a float tolerance check means something."""
+    w = torch.randn(fan_in, fan_out, generator=gen) / math.sqrt(fan_in)
+    return w.to(device=device, dtype=dtype)
 
 
 def rotary(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ import anyio
 import numpy as np
 import pytest
 import torch
+from copy_runs import run_jobs
 
 from kvtier.errors import ConfigError
 from kvtier.host.copy_factory import make_copy_engine
@@ -59,30 +60,6 @@ def block(kv: torch.Tensor | Sequence[torch.Tensor], b: int) -> torch.Tensor:
     if isinstance(kv, torch.Tensor):
         return kv[b].cpu()
     return torch.stack([layer[b] for layer in kv]).cpu()
-
-
-async def run_jobs(engine, jobs: list[CopyJob], expect: int | None = None) -> list[CopyResult]:
-    """Start ``engine``, submit ``jobs``, wait (via the wakeup callback) for ``expect`` results
-    (default: one per job), then close the engine."""
-    expect = len(jobs) if expect is None else expect
-    results: list[CopyResult] = []
-    changed = anyio.Event()
-
-    def wake() -> None:
-        changed.set()
-
-    engine.set_wakeup(wake)
-    async with anyio.create_task_group() as tg:
-        await tg.start(engine.run)
-        for job in jobs:
-            engine.submit(job)
-        with anyio.fail_after(10):
-            while len(results) < expect:
-                await changed.wait()
-                changed = anyio.Event()
-                results.extend(engine.get_finished())
-        await engine.aclose()
-    return results
 
 
 @pytest.mark.anyio

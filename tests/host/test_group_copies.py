@@ -11,14 +11,14 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import anyio
 import numpy as np
 import pytest
 import torch
+from copy_runs import run_jobs
 
 from kvtier.errors import ConfigError
 from kvtier.host.copy_factory import make_copy_engine
-from kvtier.host.copy_jobs import CopyJob, CopyResult
+from kvtier.host.copy_jobs import CopyJob
 from kvtier.host.copy_plan import CopyPlans, plan_copies
 from kvtier.host.cpu_copy import CpuCopyEngine, _copy_pairs_numpy
 from kvtier.host.cuda_copy import copy_parts
@@ -76,28 +76,6 @@ def tensors_of(value: Any) -> list[torch.Tensor]:
 def block_bytes(kv: dict[str, Any], name: str, b: int) -> list[bytes]:
     """The bytes of device block ``b`` of layer ``name``, one entry per tensor."""
     return [t[b].contiguous().view(torch.uint8).numpy().tobytes() for t in tensors_of(kv[name])]
-
-
-async def run_jobs(engine: Any, jobs: list[CopyJob]) -> list[CopyResult]:
-    """Start ``engine``, submit ``jobs``, wait for one result per job, close the engine."""
-    results: list[CopyResult] = []
-    changed = anyio.Event()
-
-    def wake() -> None:
-        changed.set()
-
-    engine.set_wakeup(wake)
-    async with anyio.create_task_group() as tg:
-        await tg.start(engine.run)
-        for job in jobs:
-            engine.submit(job)
-        with anyio.fail_after(10):
-            while len(results) < len(jobs):
-                await changed.wait()
-                changed = anyio.Event()
-                results.extend(engine.get_finished())
-        await engine.aclose()
-    return sorted(results, key=lambda r: r.job_id)
 
 
 def moved_bytes(model: KVModel, g: int) -> int:
