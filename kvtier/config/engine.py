@@ -8,6 +8,7 @@ describes every key.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from kvtier.config.redaction import redact_plain
 from kvtier.config.schema import (
     MODULE_PATH_SPEC,
+    DEFAULT_TENANT,
     FrozenOptions,
     KeySpec,
     did_you_mean,
@@ -41,6 +43,17 @@ BUILTIN_SPECS: tuple[str, ...] = (CPU_SPEC, TIERING_SPEC)
 #: Most ``secondary_tiers`` entries, so a hostile or mistaken config cannot make start-up explode.
 MAX_SECONDARY_TIERS = 64
 
+_TAG_RE = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def _printable_line(value: Any) -> str | None:
+    return None if value.isprintable() else "must be printable, on one line"
+
+
+def _tag(value: Any) -> str | None:
+    return None if _TAG_RE.match(value) else "may hold letters, digits, '.', '_' and '-' only"
+
+
 #: Engine keys (vLLM's ``CPUOffloadingSpec`` keys and those ``TieringOffloadingSpec`` adds).
 #: ``secondary_tiers`` is parsed separately (each entry by :class:`TierConfig`).
 ENGINE_SCHEMA: Mapping[str, KeySpec] = {
@@ -59,6 +72,12 @@ ENGINE_SCHEMA: Mapping[str, KeySpec] = {
     "sync_load_budget_bytes": KeySpec("int", default=0, ge=0),
     "canonical_layout": KeySpec("bool", default=False),
     "backpressure": KeySpec("backpressure", default=None, nullable=True),
+    "model_revision": KeySpec("str", default=None, nullable=True, non_empty=True, max_len=256,
+                              check=_printable_line, help="part of the run's namespace when set"),
+    "namespace_tag": KeySpec("str", default=None, nullable=True, non_empty=True, max_len=64,
+                             check=_tag, help="part of the run's namespace when set"),
+    "tenant_cpu_bytes": KeySpec("budgets", default=None, nullable=True,
+                                help=f"host-memory budget per tenant; {DEFAULT_TENANT!r}: every other request"),
 }
 
 
@@ -98,6 +117,9 @@ class EngineConfig:
     sync_load_budget_bytes: int = 0
     canonical_layout: bool = False
     backpressure: Mapping[str, Any] | None = None
+    model_revision: str | None = None
+    namespace_tag: str | None = None
+    tenant_cpu_bytes: Mapping[str, int] | None = None
 
     # --- construction --------------------------------------------------------------------------
     @classmethod

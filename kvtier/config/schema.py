@@ -24,6 +24,9 @@ from kvtier.types import Locality
 __all__ = [
     "KeySpec",
     "MAX_BACKENDS",
+    "MAX_TENANTS",
+    "TENANT_LABEL_RE",
+    "DEFAULT_TENANT",
     "MODULE_PATH_SPEC",
     "FrozenOptions",
     "check_keys",
@@ -39,6 +42,12 @@ __all__ = [
 #: Most entries of a string-list key, so a hostile or mistaken config cannot make start-up explode.
 MAX_BACKENDS = 16
 _MAX_SHOWN_CHARS = 80
+#: Most labels of a tenant budget map, which bounds every per-tenant metric's label values.
+MAX_TENANTS = 64
+#: What a tenant label may look like (a request's ``tenant``, the keys of a budget map).
+TENANT_LABEL_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,31}$")
+#: The budget-map label of every request whose tenant is absent or not named in the map.
+DEFAULT_TENANT = "default"
 
 _MODULE_PATH_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
@@ -97,7 +106,9 @@ class KeySpec:
     ``kind`` is one of ``"int"`` (bools rejected), ``"float"`` (ints accepted, NaN/inf rejected),
     ``"bool"``, ``"str"``, ``"str_list"`` (non-empty list of non-empty strings, stored as a tuple),
     ``"locality"`` (``LOCAL``/``REMOTE``, case-insensitive, stored as :class:`Locality`),
-    ``"mapping"`` (validated against ``schema``) or ``"backpressure"``. ``nullable`` admits
+    ``"mapping"`` (validated against ``schema``), ``"backpressure"``, ``"budgets"`` (tenant label →
+    bytes, at most :data:`MAX_TENANTS` labels) or ``"mode"`` (permission bits: an int, or an octal
+    string such as ``"0640"``). ``nullable`` admits
     ``None`` (then the value means "not given"). ``gt``/``ge``/``le`` bound numbers; ``choices``
     are case-insensitive and normalised to lower case. ``check`` returns a problem description
     for values of the right type that are still unacceptable (NUL bytes, ``..`` segments).
@@ -149,6 +160,11 @@ class KeySpec:
             text = "'LOCAL' or 'REMOTE' (case-insensitive)"
         elif self.kind == "backpressure":
             text = "a dict with a 'backpressure_cls' string"
+        elif self.kind == "budgets":
+            text = (f"a dict of at most {MAX_TENANTS} tenant labels (lower-case letters, digits, '_', '.', '-'; "
+                    f"at most 32 characters; {DEFAULT_TENANT!r} for all others) to byte budgets > 0")
+        elif self.kind == "mode":
+            text = "permission bits: an integer such as 0o640 (416) or an octal string such as '0640'"
         elif self.kind == "backpressure_override":
             text = "a dict of back-pressure fields (merged over the top-level backpressure)"
         else:
@@ -228,6 +244,10 @@ def convert(spec: KeySpec, value: Any, path: str) -> Any:
             raise bad()
         assert spec.schema is not None
         result = FrozenOptions(parse_section(value, spec.schema, path))
+    elif kind == "budgets":
+        result = FrozenOptions(_parse_budgets(value, path, bad))
+    elif kind == "mode":
+        result = _parse_mode(value, bad)
     elif kind in ("backpressure", "backpressure_override"):
         result = FrozenOptions(
             _parse_backpressure(value, path, require_cls=kind == "backpressure")
@@ -239,6 +259,33 @@ def convert(spec: KeySpec, value: Any, path: str) -> Any:
         if problem is not None:
             raise invalid(path, value, f"{spec.describe()}; {problem}", secret=spec.secret)
     return result
+
+
+def _parse_budgets(value: Any, path: str, bad: Callable[[], ConfigError]) -> dict[str, int]:
+    if not isinstance(value, Mapping) or not value or len(value) > MAX_TENANTS:
+        raise bad()
+    out: dict[str, int] = {}
+    for label, budget in value.items():
+        if not isinstance(label, str) or not TENANT_LABEL_RE.match(label):
+            raise ConfigError(
+                f"invalid tenant label {show_value(label)} in {path}: expected lower-case letters, digits, "
+                "'_', '.' or '-', starting with a letter or digit, at most 32 characters"
+            )
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+            raise invalid(f"{path}.{label}", budget, "a byte budget: an integer > 0")
+        out[label] = budget
+    return out
+
+
+def _parse_mode(value: Any, bad: Callable[[], ConfigError]) -> int:
+    if isinstance(value, str):
+        digits = value.strip().lower().removeprefix("0o")
+        if not digits or len(digits) > 4 or any(c not in "01234567" for c in digits):
+            raise bad()
+        return int(digits, 8)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 0o7777:
+        raise bad()
+    return value
 
 
 def _check_range(spec: KeySpec, value: float, bad: Callable[[], ConfigError]) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvtier.config.redaction import redact_plain
 from kvtier.config.schema import (
+    DEFAULT_TENANT,
     MODULE_PATH_SPEC,
     FrozenOptions,
     KeySpec,
@@ -33,6 +34,10 @@ __all__ = [
     "TIER_COMMON_SCHEMA",
     "STORE_CONFIG_SCHEMA",
     "P2P_AUTH_SCHEMA",
+    "COMPRESSION_SCHEMA",
+    "ENCRYPTION_SCHEMA",
+    "DEFAULT_FILE_MODE",
+    "DEFAULT_DIR_MODE",
     "TIER_SCHEMAS",
     "INTERNAL_TIER_TYPES",
     "BUILTIN_TIER_TYPES",
@@ -153,6 +158,41 @@ P2P_AUTH_SCHEMA: Mapping[str, KeySpec] = {
     "trusted_public_keys_dir": _KEY_FILE,
 }
 
+#: ``compression`` of a storage tier: lossless, opt-in (docs/shared-caches.md).
+COMPRESSION_SCHEMA: Mapping[str, KeySpec] = {
+    "codec": KeySpec("str", default="zstd", choices=("zstd",)),
+    "level": KeySpec("int", default=3, ge=-7, le=22, help="zstd level; negative: faster, larger"),
+    "transform": KeySpec("str", default="byte_planes", choices=("byte_planes", "none"),
+                         help="byte_planes: 16-bit elements split into high and low byte planes first"),
+}
+#: ``encryption`` of a storage tier: AES-256-GCM at rest, keys from a file (docs/shared-caches.md).
+ENCRYPTION_SCHEMA: Mapping[str, KeySpec] = {
+    "key_file": KeySpec("str", non_empty=True, max_len=4096, check=_no_nul,
+                        help="lines '<key_id>:<64 hex digits>', owner-only"),
+    "key_id": KeySpec("int", ge=0, le=0xFFFFFFFF, help="the key that encrypts new chunks"),
+}
+#: Modes the fs tier creates chunk files and directories with: owner-only unless configured.
+DEFAULT_FILE_MODE = 0o600
+DEFAULT_DIR_MODE = 0o700
+
+
+def _file_mode(value: Any) -> str | None:
+    if value & ~0o660 or value & 0o600 != 0o600:
+        return f"owner read and write (0o600), plus group read/write bits at most (within 0o660); got {value:#o}"
+    return None
+
+
+def _dir_mode(value: Any) -> str | None:
+    if value & ~0o770 or value & 0o700 != 0o700:
+        return f"owner rwx (0o700), plus group bits at most (within 0o770); got {value:#o}"
+    if value & 0o070 and not value & 0o010:
+        return f"group bits need group search (x, 0o010) to reach the files; got {value:#o}"
+    return None
+
+
+_COMPRESSION = KeySpec("mapping", default=None, nullable=True, schema=COMPRESSION_SCHEMA)
+_ENCRYPTION = KeySpec("mapping", default=None, nullable=True, schema=ENCRYPTION_SCHEMA)
+
 #: Type-specific keys of the built-in tiers.
 TIER_SCHEMAS: Mapping[str, Mapping[str, KeySpec]] = {
     "fs": {
@@ -167,6 +207,12 @@ TIER_SCHEMAS: Mapping[str, Mapping[str, KeySpec]] = {
                                           "stretched so that a re-sync takes at most 5% of a core"),
         "accept_unverified_chunks": KeySpec("bool", default=False,
                                             help="load trailer-less (vLLM-written) chunks with no integrity check"),
+        "file_mode": KeySpec("mode", default=DEFAULT_FILE_MODE, check=_file_mode),
+        "dir_mode": KeySpec("mode", default=DEFAULT_DIR_MODE, check=_dir_mode),
+        "compression": _COMPRESSION,
+        "encryption": _ENCRYPTION,
+        "tenant_bytes": KeySpec("budgets", default=None, nullable=True,
+                                help=f"this tier's byte budget per tenant; {DEFAULT_TENANT!r}: every other request"),
     },
     "memory": {
         "capacity_bytes": KeySpec("int", gt=0),
@@ -188,6 +234,8 @@ TIER_SCHEMAS: Mapping[str, Mapping[str, KeySpec]] = {
         "lookup_timeout_s": KeySpec("float", default=5.0, gt=0),
         "accept_unverified_chunks": KeySpec("bool", default=False,
                                             help="load trailer-less (vLLM-written) chunks with no integrity check"),
+        "compression": _COMPRESSION,
+        "encryption": _ENCRYPTION,
     },
     "p2p": {
         "host": KeySpec("str", non_empty=True, max_len=255, check=_no_nul, env_default=_env_host),
@@ -329,6 +377,10 @@ class TierConfig:
             options = dict(rest)
         elif type_name in TIER_SCHEMAS:
             schema = TIER_SCHEMAS[type_name]
+            if "tenant_bytes" in rest and "tenant_bytes" not in schema:
+                raise invalid(join_path(path, "tenant_bytes"), rest["tenant_bytes"],
+                              f"no tenant_bytes on the {type_name} tier: tenant budgets apply to tiers that evict "
+                              "to stay within a byte capacity (host memory: tenant_cpu_bytes; fs tiers)")
             check_keys(rest, set(schema) | set(TIER_COMMON_SCHEMA), path)
             options = parse_section(rest, schema, path)
         else:

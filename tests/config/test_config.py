@@ -255,6 +255,9 @@ ENGINE_DEFAULTS = {
     "sync_load_budget_bytes": 0,
     "canonical_layout": False,
     "backpressure": None,
+    "model_revision": None,
+    "namespace_tag": None,
+    "tenant_cpu_bytes": None,
 }
 
 TIER_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -267,6 +270,11 @@ TIER_DEFAULTS: dict[str, dict[str, Any]] = {
         "stale_tmp_grace_s": 3600.0,
         "rescan_interval_s": None,
         "accept_unverified_chunks": False,
+        "file_mode": 0o600,
+        "dir_mode": 0o700,
+        "compression": None,
+        "encryption": None,
+        "tenant_bytes": None,
     },
     "memory": {"capacity_bytes": 1 << 20},
     "obj": {
@@ -285,6 +293,8 @@ TIER_DEFAULTS: dict[str, dict[str, Any]] = {
         "request_timeout_s": 10.0,
         "lookup_timeout_s": 5.0,
         "accept_unverified_chunks": False,
+        "compression": None,
+        "encryption": None,
     },
     "p2p": {
         "host": "localhost",
