@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from kvtier.config.request import RequestParams
+from kvtier.config.request import RequestParams, parse_tenant
 
 __all__ = ["RequestContext"]
 
@@ -24,14 +24,20 @@ class RequestContext:
     ``kv_transfer_params`` is the raw per-request dictionary; ``params`` is its validated form
     (parsed once, on first use; bad numeric values are logged and ignored, a forbidden role
     combination raises :class:`kvtier.RequestError`).
+
+    ``tenant`` is the label whose budgets the request's stores are charged to: the ``tenant``
+    argument when given, else the ``tenant`` field of ``kv_transfer_params``; an invalid label
+    is warned about and ignored (the request then counts as ``"default"``).
     """
 
-    __slots__ = ("req_id", "kv_transfer_params", "_params", "_state", "_positions", "_looked_up")
+    __slots__ = ("req_id", "kv_transfer_params", "_params", "_tenant", "_state", "_positions", "_looked_up")
 
-    def __init__(self, req_id: str, kv_transfer_params: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, req_id: str, kv_transfer_params: Mapping[str, Any] | None = None, *,
+                 tenant: str | None = None) -> None:
         self.req_id = req_id
         self.kv_transfer_params = kv_transfer_params
         self._params: RequestParams | None = None
+        self._tenant = parse_tenant(tenant)
         self._state: dict[type, Any] = {}
         self._positions: dict[bytes, int] = {}
         self._looked_up: dict[str, set[bytes]] = {}
@@ -41,6 +47,11 @@ class RequestContext:
         if self._params is None:
             self._params = RequestParams.from_kv_transfer_params(self.kv_transfer_params)
         return self._params
+
+    @property
+    def tenant(self) -> str | None:
+        """The request's tenant label (validated), or None."""
+        return self._tenant if self._tenant is not None else self.params.tenant
 
     # --- state bag ---------------------------------------------------------------------------
     def set_state(self, obj: Any) -> None:

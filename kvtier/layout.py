@@ -16,6 +16,12 @@ into directory names and chunk paths::
     <root>/<model>_<digest>/                                     the run (the fs tier keeps config.json here)
     <root>/<model>_<digest>_r<rank>/<h[0:3]>/<h[3:5]>_g<group>/<h>.bin
 
+**Compatibility manifest.** Two optional fields extend the run fields: ``model_revision`` (which
+weights of the model wrote the KV) and ``namespace_tag`` (a free label). Each is added only when
+set (:func:`make_run_fields`): absent, the fields, digest and names are exactly vLLM's; present,
+the digest differs, so a run of another revision or tag lives in other directories (other object
+keys) and its chunks, whose trailers record the fingerprint of these fields, are never read.
+
 Paths are built with plain ``"/"`` string joins, never from the OS: the same strings serve as
 object-store keys. With ``root == ""`` they are relative (``<model>_<digest>/...``); the obj tier
 decides its own prefixing. The fs tier recognises these names, and gives the others of its tree,
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -45,6 +52,11 @@ __all__ = [
     "normalize_dtype",
     "torch_dtype",
     "make_run_fields",
+    "MANIFEST_FIELDS",
+    "check_model_revision",
+    "check_namespace_tag",
+    "with_manifest",
+    "manifest_of",
     "run_digest",
     "run_fingerprint",
     "namespace",
@@ -80,6 +92,36 @@ _TORCH_DTYPE_NAMES: dict[str, str] = {
 # A file-name segment is at most 255 bytes on common filesystems; leave room for "_<digest>_r<rank>".
 _MAX_MODEL_NAME_BYTES = 200
 _DIGEST_CHARS = 12
+#: The run fields of the compatibility manifest, each present only when set.
+MANIFEST_FIELDS: tuple[str, ...] = ("model_revision", "namespace_tag")
+_MAX_REVISION_CHARS = 256
+_NAMESPACE_TAG = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def check_model_revision(value: object, key: str = "model_revision") -> str | None:
+    """``value`` if it is a valid model revision (None, or a non-empty printable one-line string of
+    at most 256 characters: a commit hash, a tag, a date); ConfigError naming ``key`` otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{key}: {value!r} is invalid; expected a non-empty string or None")
+    if len(value) > _MAX_REVISION_CHARS:
+        raise ConfigError(f"{key}: {len(value)} characters; at most {_MAX_REVISION_CHARS} are allowed")
+    if not value.isprintable():  # NUL, newlines and other control characters
+        raise ConfigError(f"{key}: {value!r} is invalid; it must be printable, on one line")
+    return value
+
+
+def check_namespace_tag(value: object, key: str = "namespace_tag") -> str | None:
+    """``value`` if it is a valid namespace tag (None, or 1 to 64 of ``A-Z a-z 0-9 . _ -``);
+    ConfigError naming ``key`` otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or _NAMESPACE_TAG.fullmatch(value) is None:
+        raise ConfigError(
+            f"{key}: {value!r} is invalid; expected 1 to 64 letters, digits, '.', '_' or '-', or None"
+        )
+    return value
 
 
 def normalize_dtype(dtype: object) -> str:
@@ -142,7 +184,9 @@ class KVGeometry:
 
     Validated on construction (ConfigError): sizes positive, ``num_kv_heads`` divisible by
     ``tp_size``, ``dtype`` known (stored normalized, e.g. ``"torch.half"`` → ``"float16"``),
-    ``layer_names`` (default ``model.layers.{i}.self_attn.attn``) one per layer.
+    ``layer_names`` (default ``model.layers.{i}.self_attn.attn``) one per layer,
+    ``model_revision`` None or a printable one-line string of at most 256 characters (which weights
+    write the KV: part of the run fields when set, module docstring).
     """
 
     model_name: str
@@ -156,10 +200,12 @@ class KVGeometry:
     pcp_size: int = 1
     dcp_size: int = 1
     layer_names: tuple[str, ...] | None = field(default=None)
+    model_revision: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
             raise ConfigError(f"model_name must be a non-empty string, got {self.model_name!r}")
+        check_model_revision(self.model_revision)
         for name in (
             "num_layers", "num_kv_heads", "head_dim", "block_size",
             "tp_size", "pp_size", "pcp_size", "dcp_size",
@@ -248,28 +294,34 @@ class KVGeometry:
         blocks_per_chunk: int,
         inference_engine: str = "kvtier",
         parallel_agnostic: bool = True,
+        *,
+        namespace_tag: str | None = None,
     ) -> dict[str, Any]:
         """The run-configuration fields, input of :func:`run_digest` (vLLM's ``config.json`` fields).
 
         In parallelism-agnostic mode (the canonical host layout makes bytes topology-independent)
         the parallel sizes are 1 and ``parallel_agnostic`` is absent; otherwise they are the real
-        sizes and ``parallel_agnostic`` is ``False``.
+        sizes and ``parallel_agnostic`` is ``False``. ``model_revision`` and ``namespace_tag``
+        are added when set (:func:`with_manifest`).
         """
         _check_positive("blocks_per_chunk", blocks_per_chunk)
         groups = [{"tokens_per_block": self.block_size, "layer_names": list(self.names_of_layers)}]
         return make_run_fields(self.model_name, self.block_size, blocks_per_chunk,
                                (self.tp_size, self.pp_size, self.pcp_size, self.dcp_size), self.dtype, groups,
-                               inference_engine, parallel_agnostic)
+                               inference_engine, parallel_agnostic,
+                               model_revision=self.model_revision, namespace_tag=namespace_tag)
 
 
 def make_run_fields(model_name: str, tokens_per_hash: int, blocks_per_chunk: int,
                     parallel_sizes: tuple[int, int, int, int], dtype: str, kv_cache_groups: list[dict[str, Any]],
-                    inference_engine: str, parallel_agnostic: bool) -> dict[str, Any]:
+                    inference_engine: str, parallel_agnostic: bool, *, model_revision: str | None = None,
+                    namespace_tag: str | None = None) -> dict[str, Any]:
     """The run-configuration fields (vLLM's ``config.json`` fields) of a run.
 
     ``parallel_sizes`` are ``(tp, pp, pcp, dcp)``. In parallelism-agnostic mode they are recorded
     as 1 and ``parallel_agnostic`` is absent; otherwise they are the real sizes and
-    ``parallel_agnostic`` is ``False``.
+    ``parallel_agnostic`` is ``False``. The manifest fields are added as :func:`with_manifest`
+    adds them: only when set.
     """
     tp, pp, pcp, dcp = (1, 1, 1, 1) if parallel_agnostic else parallel_sizes
     fields: dict[str, Any] = {
@@ -286,7 +338,31 @@ def make_run_fields(model_name: str, tokens_per_hash: int, blocks_per_chunk: int
     }
     if not parallel_agnostic:
         fields["parallel_agnostic"] = False
-    return fields
+    return with_manifest(fields, model_revision=model_revision, namespace_tag=namespace_tag)
+
+
+def with_manifest(fields: Mapping[str, Any], *, model_revision: str | None = None,
+                  namespace_tag: str | None = None) -> dict[str, Any]:
+    """A copy of run ``fields`` with ``model_revision`` and ``namespace_tag`` added where they are
+    not None (validated: ConfigError naming the field). With both None the copy equals ``fields``:
+    the digest and names stay vLLM's exact ones."""
+    out = dict(fields)
+    for name, value in (("model_revision", check_model_revision(model_revision)),
+                        ("namespace_tag", check_namespace_tag(namespace_tag))):
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def manifest_of(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The compatibility manifest recorded in run ``fields``: ``{"model": model_name,
+    "model_revision": str | None, "namespace_tag": str | None}`` (None where the field is absent;
+    both None: the vLLM-compatible namespace)."""
+    manifest: dict[str, Any] = {"model": fields.get("model_name")}
+    for name in MANIFEST_FIELDS:
+        value = fields.get(name)
+        manifest[name] = value if value is None or isinstance(value, str) else str(value)
+    return manifest
 
 
 def _canonical_json(fields: Mapping[str, Any]) -> str:

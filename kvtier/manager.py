@@ -87,8 +87,9 @@ __all__ = [
 logger = logging.getLogger("kvtier.manager")
 
 PRIMARY_LABEL = "0:primary"
-#: Store failure reasons that say nothing about the tier's health (the engine is closing).
-_NOT_TIER_FAILURES = frozenset({"closed", "cancelled"})
+#: Store failure reasons that say nothing about the tier's health (the engine is closing; a
+#: tenant at its budget had chunks refused).
+_NOT_TIER_FAILURES = frozenset({"closed", "cancelled", "tenant_quota"})
 #: Most chunks of one write-back job, and most write-backs one allocation starts.
 WRITE_BACK_BATCH = 256
 

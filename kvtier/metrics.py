@@ -35,6 +35,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.utils import floatToGoString
 
+from kvtier.policies.quotas import TENANT_METRICS
 from kvtier.stats import Histogram, HistogramSnapshot, MetricFamily
 
 __all__ = ["EngineMetrics", "MetricsServer", "serve_metrics", "PRIMARY_TIER_LABEL"]
@@ -206,6 +207,21 @@ class _Collector:
         )
         f.counter("kvtier_tier_evictions", _DOC["evictions"], ["tier"]).add_metric(t, s.evictions)
         f.add_histogram("kvtier_tier_eviction_age_seconds", _DOC["eviction_age"], ["tier"], t, s.eviction_age)
+        tenants = _field(s, "tenants", default=None)
+        if tenants is not None:
+            self._tenants(f, PRIMARY_TIER_LABEL, tenants)
+
+    def _tenants(self, f: _Families, tier: str, s: Any) -> None:
+        """Per tenant pool (``TenantStatistics``): the same families an fs tier declares itself, so
+        both tiers' series share ``kvtier_tier_tenant_*`` with labels ``tier`` and ``tenant``."""
+        labels = ["tier", "tenant"]
+        for name, attr in (("tenant_bytes_used", "bytes_used"), ("tenant_budget_bytes", "budget_bytes"),
+                           ("tenant_evictions", "evictions"), ("tenant_refused_stores", "refused_stores")):
+            kind, doc = TENANT_METRICS[name]
+            family = (f.counter if kind == "counter" else f.gauge)(f"kvtier_tier_{name}", doc, labels)
+            for tenant, value in zip(s.labels, getattr(s, attr)):
+                if value is not None:
+                    family.add_metric([tier, tenant], value)
 
     # -- manager ----------------------------------------------------------------------------
 

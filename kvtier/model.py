@@ -39,7 +39,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvtier.errors import ConfigError
-from kvtier.layout import DTYPE_ITEMSIZE, SLOT_ALIGNMENT, KVGeometry, make_run_fields, normalize_dtype
+from kvtier.layout import (
+    DTYPE_ITEMSIZE,
+    SLOT_ALIGNMENT,
+    KVGeometry,
+    check_model_revision,
+    make_run_fields,
+    normalize_dtype,
+)
 
 __all__ = [
     "GroupKind",
@@ -273,8 +280,10 @@ class KVModel:
 
     Validated on construction (``ConfigError``): at least one group, no layer in two groups, the
     parallel sizes positive, attention heads divisible by ``tp_size``, and no ``mamba`` group
-    with ``tp_size > 1`` (a rank's state shard is not described here yet). ``dtype`` is the
-    attention and MLA dtype (state tensors carry their own).
+    with ``tp_size > 1`` (a rank's state shard is not described here yet), ``model_revision``
+    None or a printable one-line string of at most 256 characters. ``dtype`` is the attention and
+    MLA dtype (state tensors carry their own). ``model_revision`` (which weights write the KV) is
+    part of the run fields when set (:mod:`kvtier.layout`, "Compatibility manifest").
     """
 
     model_name: str
@@ -284,10 +293,12 @@ class KVModel:
     pp_size: int = 1
     pcp_size: int = 1
     dcp_size: int = 1
+    model_revision: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
             raise ConfigError(f"model_name must be a non-empty string, got {self.model_name!r}")
+        check_model_revision(self.model_revision)
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         for name in ("tp_size", "pp_size", "pcp_size", "dcp_size"):
             _positive(name, getattr(self, name))
@@ -315,7 +326,7 @@ class KVModel:
 
     @classmethod
     def of(cls, model: KVModel | KVGeometry) -> KVModel:
-        """``model`` itself, or the one-group model of a :class:`KVGeometry`."""
+        """``model`` itself, or the one-group model of a :class:`KVGeometry` (its ``model_revision`` too)."""
         if isinstance(model, KVModel):
             return model
         if not isinstance(model, KVGeometry):
@@ -323,7 +334,7 @@ class KVModel:
         group = KVCacheGroup.full_attention(block_size=model.block_size, layer_names=model.names_of_layers,
                                             num_kv_heads=model.num_kv_heads, head_dim=model.head_dim)
         return cls(model.model_name, model.dtype, (group,), tp_size=model.tp_size, pp_size=model.pp_size,
-                   pcp_size=model.pcp_size, dcp_size=model.dcp_size)
+                   pcp_size=model.pcp_size, dcp_size=model.dcp_size, model_revision=model.model_revision)
 
     # ------------------------------------------------------------------ geometry
     @property
@@ -384,19 +395,22 @@ class KVModel:
         kind = self.groups[0].kind
         return kind == "full_attention" or (kind == "mla" and self.tp_size > 1)
 
-    def run_fields(self, blocks_per_chunk: int, inference_engine: str = "kvtier") -> dict[str, Any]:
+    def run_fields(self, blocks_per_chunk: int, inference_engine: str = "kvtier", *,
+                   namespace_tag: str | None = None) -> dict[str, Any]:
         """The run-configuration fields (vLLM's ``config.json`` fields) for this model.
 
         Every group is listed (``kv_cache_groups``); ``tokens_per_hash`` is the hash block size.
         Topology-independent models (:attr:`parallel_agnostic`) record parallel sizes 1 (and a
         replicated MLA group ``replicated_layout: true``); others their real sizes and
-        ``parallel_agnostic: false``.
+        ``parallel_agnostic: false``. ``model_revision`` and ``namespace_tag`` are added only
+        when set: without them the fields are exactly vLLM's.
         """
         _positive("blocks_per_chunk", blocks_per_chunk)
         agnostic = self.parallel_agnostic
         fields = make_run_fields(self.model_name, self.hash_block_size, blocks_per_chunk,
                                  (self.tp_size, self.pp_size, self.pcp_size, self.dcp_size), self.dtype,
-                                 [group.describe() for group in self.groups], inference_engine, agnostic)
+                                 [group.describe() for group in self.groups], inference_engine, agnostic,
+                                 model_revision=self.model_revision, namespace_tag=namespace_tag)
         if agnostic and self.groups[0].kind == "mla":
             fields["replicated_layout"] = True
         return fields

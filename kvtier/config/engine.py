@@ -51,7 +51,7 @@ def _printable_line(value: Any) -> str | None:
 
 
 def _tag(value: Any) -> str | None:
-    return None if _TAG_RE.match(value) else "may hold letters, digits, '.', '_' and '-' only"
+    return None if _TAG_RE.fullmatch(value) else "may hold letters, digits, '.', '_' and '-' only"
 
 
 #: Engine keys (vLLM's ``CPUOffloadingSpec`` keys and those ``TieringOffloadingSpec`` adds).

@@ -14,16 +14,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from kvtier.config.schema import did_you_mean, parse_locality, show_value
+from kvtier.config.schema import TENANT_LABEL_RE, did_you_mean, parse_locality, show_value
 from kvtier.errors import RequestError
 from kvtier.types import Locality, Medium
 
-__all__ = ["RequestParams", "TierFilter", "TierMatcher", "REQUEST_KEYS", "judged_request_keys", "parse_matcher"]
+__all__ = ["RequestParams", "TierFilter", "TierMatcher", "REQUEST_KEYS", "judged_request_keys", "parse_matcher",
+           "parse_tenant"]
 
 logger = logging.getLogger("kvtier.config")
 
 #: A ``kv_load_tiers`` string entry: a tier type name, optionally as a label ``"<n>:<type>"``.
-_TIER_NAME_RE = re.compile(r"^([0-9]{1,4}:)?[A-Za-z_][A-Za-z0-9_.-]{0,255}$")
+_TIER_NAME_RE = re.compile(r"^([0-9]{1,4}:)?[A-Za-z_][A-Za-z0-9_.-]{0,255}\Z")
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,7 +195,7 @@ def _parse_role(key: str, value: Any) -> dict[str, Any] | None:
 
 #: The per-request keys kvtier reads.
 REQUEST_KEYS: frozenset[str] = frozenset(
-    {"max_load_tokens", "max_offload_tokens", "kv_load_tiers", *_ROLE_FIELDS}
+    {"max_load_tokens", "max_offload_tokens", "kv_load_tiers", "tenant", *_ROLE_FIELDS}
 )
 #: Keys other connectors put in ``kv_transfer_params`` that look like kvtier's but are not typos
 #: (vLLM's NIXL/P2P connectors: ``do_remote_decode`` is close to ``remote_decoder``).
@@ -240,6 +241,21 @@ def _parse_token_cap(key: str, value: Any) -> int | None:
     return value
 
 
+def parse_tenant(value: Any) -> str | None:
+    """A request's ``tenant`` label, or None (absent, or invalid: warned about and ignored).
+
+    The value is never echoed in the warning: a caller that puts a secret there by mistake (a
+    ``cache_salt``) must not find it in the logs.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str) and TENANT_LABEL_RE.match(value):
+        return value
+    logger.warning("ignoring tenant (a %s): expected a label of 1 to 32 lower-case letters, digits, "
+                   "'_', '.' or '-', starting with a letter or digit", type(value).__name__)
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class RequestParams:
     """Validated per-request fields of ``kv_transfer_params``.
@@ -247,6 +263,8 @@ class RequestParams:
     ``max_load_tokens``/``max_offload_tokens``: ``None`` = no cap, ``0`` disables loading /
     offloading for the request. ``load_tier_filter`` says which secondary tiers may serve loads.
     The role fields are ``None`` or a dict with exactly the validated fields of that role.
+    ``tenant`` is the request's tenant label (``None``: the ``"default"`` pool of every tenant
+    budget); a label no budget map names is charged to ``"default"`` as well.
     """
 
     max_load_tokens: int | None = None
@@ -255,6 +273,7 @@ class RequestParams:
     remote_decoder: Mapping[str, Any] | None = None
     remote_prefiller: Mapping[str, Any] | None = None
     remote_kv_source: Mapping[str, Any] | None = None
+    tenant: str | None = None
 
     @classmethod
     def from_kv_transfer_params(cls, params: Mapping[str, Any] | None) -> RequestParams:
@@ -291,4 +310,5 @@ class RequestParams:
             remote_decoder=roles.get("remote_decoder"),
             remote_prefiller=roles.get("remote_prefiller"),
             remote_kv_source=roles.get("remote_kv_source"),
+            tenant=parse_tenant(params.get("tenant")),
         )

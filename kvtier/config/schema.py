@@ -45,11 +45,11 @@ _MAX_SHOWN_CHARS = 80
 #: Most labels of a tenant budget map, which bounds every per-tenant metric's label values.
 MAX_TENANTS = 64
 #: What a tenant label may look like (a request's ``tenant``, the keys of a budget map).
-TENANT_LABEL_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,31}$")
+TENANT_LABEL_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,31}\Z")
 #: The budget-map label of every request whose tenant is absent or not named in the map.
 DEFAULT_TENANT = "default"
 
-_MODULE_PATH_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_MODULE_PATH_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
 
 
 # --------------------------------------------------------------------------------------------

@@ -12,6 +12,12 @@ Semantics callers rely on:
   the engine can prefetch.
 * Everything wrong with the configuration is a :class:`kvtier.ConfigError` naming its key,
   raised before the engine is yielded to its caller.
+* The run's compatibility manifest (:mod:`kvtier.layout`) is resolved on construction:
+  ``model_revision`` is the model description's, else the configuration's (a description and a
+  configuration that both give one must agree: ConfigError otherwise); ``namespace_tag`` is the
+  configuration's. :attr:`EngineParts.model` carries the revision, and :attr:`EngineParts.run_fields`
+  (with both, only where set) is the one identity every secondary tier derives its namespace,
+  trailer fingerprint and peer identity from.
 * :meth:`EngineParts.aclose` closes every component that was built, also after a start that
   failed half-way; all are attempted, and the first error is raised again.
 """
@@ -19,6 +25,7 @@ Semantics callers rely on:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import logging
 import socket
@@ -64,7 +71,9 @@ class EngineParts:
                  kv_events_enabled: bool) -> None:
         self.config = config
         self.spec = spec
-        self.model = model
+        self.model = _with_revision(model, config)
+        #: The run fields of this engine's namespace (module docstring).
+        self.run_fields = self.model.run_fields(blocks_per_chunk, namespace_tag=config.namespace_tag)
         self.device_kv = device_kv
         self.blocks_per_chunk = blocks_per_chunk
         self.slot_bytes = slot_bytes
@@ -147,6 +156,7 @@ class EngineParts:
             store_threshold=cfg.store_threshold,
             max_tracker_size=cfg.max_tracker_size,
             enable_events=self.kv_events_enabled,
+            tenant_budgets=cfg.tenant_cpu_bytes,
         )
         try:
             _ = self.host.buffer  # allocate now: a size the machine cannot hold fails at start-up
@@ -167,7 +177,7 @@ class EngineParts:
                 f"secondary_tiers: spec {self.config.spec_name!r} does not take secondary tiers"
             )
         on_asyncio = _running_on_asyncio()
-        run_fields = self.model.run_fields(self.blocks_per_chunk)
+        run_fields = self.run_fields
         for tier_cfg in self.config.secondary_tiers:
             context = TierContext(
                 index=tier_cfg.index,
@@ -286,6 +296,19 @@ class EngineParts:
         host = getattr(self, "host", None)  # absent when start-up failed before building it
         if host is not None:
             host.close()
+
+
+def _with_revision(model: KVModel, config: EngineConfig) -> KVModel:
+    """``model`` with the run's ``model_revision``: its own, else the configuration's."""
+    configured = config.model_revision
+    if configured is None or model.model_revision == configured:
+        return model
+    if model.model_revision is not None:
+        raise ConfigError(
+            f"model_revision: {configured!r} in the configuration, but the model description says "
+            f"{model.model_revision!r}; give it in one place, or the same in both"
+        )
+    return dataclasses.replace(model, model_revision=configured)
 
 
 def _running_on_asyncio() -> bool:

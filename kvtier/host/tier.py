@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -34,6 +34,8 @@ from kvtier.context import RequestContext
 from kvtier.errors import ConfigError
 from kvtier.host.slots import SlotBuffer
 from kvtier.policies import CachePolicyFactory
+from kvtier.policies.quotas import TenantQuotas, TenantStatistics
+from kvtier.policies.tenant_policy import TenantPolicy
 from kvtier.stats import Histogram, HistogramSnapshot
 from kvtier.types import ChunkStatus, LookupResult, Medium, OffloadingEvent
 
@@ -86,6 +88,7 @@ class HostStatistics:
     eviction_age: HistogramSnapshot
     allocation_failures: int  # prepare_store / prepare_write returned None
     allocation_sizes: HistogramSnapshot
+    tenants: TenantStatistics | None = None  # per tenant pool, with tenant budgets only
 
 
 @dataclass(slots=True)
@@ -113,6 +116,14 @@ class HostTier:
     tracker: a new chunk is stored only once :meth:`prepare_store` has been offered it that many
     times (offers are counted for at most ``max_tracker_size`` keys, the least recently offered
     forgotten first); promotions (:meth:`prepare_write`) bypass it.
+
+    ``tenant_budgets`` (``tenant_cpu_bytes``: tenant label → bytes, ``"default"`` for every other
+    request) turns on tenant quotas (:mod:`kvtier.policies.quotas`): each chunk is charged
+    ``slot_bytes`` to the pool of the request that stored it, a pool at its budget evicts its own
+    least recently used chunks and has the chunks it cannot make room for refused (dropped from
+    the store, counted), and a full tier takes room from pools over their budget or without one
+    before any other. The policy is then a :class:`~kvtier.policies.tenant_policy.TenantPolicy`
+    (one ``eviction_policy`` per pool); without budgets nothing of this runs.
     """
 
     def __init__(
@@ -127,6 +138,7 @@ class HostTier:
         enable_events: bool = False,
         copy_engine: CopyEngine | None = None,
         pin_memory: bool | None = None,
+        tenant_budgets: Mapping[str, int] | None = None,
     ) -> None:
         if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 1:
             raise ConfigError(f"num_slots must be a positive integer, got {num_slots!r}")
@@ -139,7 +151,18 @@ class HostTier:
         self.copy_engine = copy_engine
         self._pin_memory = pin_memory
         self._buffer: SlotBuffer | None = None
-        self._policy: CachePolicy = CachePolicyFactory.create(eviction_policy, num_slots, cache_policy_module_path)
+        self._policy: CachePolicy
+        self._tenants: TenantPolicy | None = None
+        if tenant_budgets is None:
+            self._policy = CachePolicyFactory.create(eviction_policy, num_slots, cache_policy_module_path)
+        else:
+            try:
+                quotas = TenantQuotas(tenant_budgets)
+            except ValueError as exc:
+                raise ConfigError(f"tenant_cpu_bytes: {exc}") from None
+            self._policy = self._tenants = TenantPolicy(
+                num_slots, quotas, slot_bytes,
+                lambda capacity: CachePolicyFactory.create(eviction_policy, capacity, cache_policy_module_path))
         self._store_threshold = store_threshold
         self._max_tracker_size = max_tracker_size
         # key -> number of prepare_store offers, least recently offered first.
@@ -380,6 +403,7 @@ class HostTier:
             eviction_age=self._eviction_age.snapshot(),
             allocation_failures=self._allocation_failures,
             allocation_sizes=self._allocation_sizes.snapshot(),
+            tenants=None if self._tenants is None else self._tenants.quotas.statistics(),
         )
 
     def get_stats(self) -> dict[str, Any]:
@@ -451,7 +475,19 @@ class HostTier:
         self._allocation_sizes.observe(len(candidates))
         need = len(candidates) - self.free_slots
         evicted: list[bytes] = []
-        if need > 0:
+        if self._tenants is not None:
+            chosen = self._tenant_room(candidates, _Union(offered, protect) if protect else offered, ctx)
+            if chosen is None:
+                self._allocation_failures += 1
+                return None
+            candidates, chosen_victims = chosen
+            self._release(chosen_victims, evicted)
+            if len(candidates) > self.free_slots:  # an inner policy evicted fewer than it promised
+                self._allocation_failures += 1
+                return None
+            if not candidates:
+                return PrepareStoreOutput([], [], evicted)
+        elif need > 0:
             if need > self._evictable:
                 self._allocation_failures += 1
                 return None
@@ -460,15 +496,7 @@ class HostTier:
             if victims is None:
                 self._allocation_failures += 1
                 return None
-            now = time.monotonic()
-            for key, status in victims:
-                self._free.append(status.slot_id)
-                self._eviction_age.observe(max(now - status.stored_at, 0.0))
-                evicted.append(key)
-            self._evictable -= len(victims)
-            self._evictions += len(victims)
-            if self._events is not None:
-                self._events.append(OffloadingEvent(list(evicted), _MEDIUM, removed=True, reason="evicted"))
+            self._release(victims, evicted)
 
         slot_ids = self._allocate(len(candidates))
         for key, slot_id in zip(candidates, slot_ids):
@@ -477,6 +505,52 @@ class HostTier:
         if record is not None:
             record.inserted.update(candidates)
         return PrepareStoreOutput(candidates, slot_ids, evicted)
+
+    def _release(self, victims: list[tuple[bytes, ChunkStatus]], evicted: list[bytes]) -> None:
+        """Free the slots of chunks the policy evicted; their keys are appended to ``evicted``."""
+        if not victims:
+            return
+        now = time.monotonic()
+        for key, status in victims:
+            self._free.append(status.slot_id)
+            self._eviction_age.observe(max(now - status.stored_at, 0.0))
+            evicted.append(key)
+        self._evictable -= len(victims)
+        self._evictions += len(victims)
+        if self._events is not None:
+            self._events.append(OffloadingEvent([key for key, _ in victims], _MEDIUM, removed=True, reason="evicted"))
+
+    def _tenant_room(self, candidates: list[bytes], guard: Collection[bytes],
+                     ctx: RequestContext | None) -> tuple[list[bytes], list[tuple[bytes, ChunkStatus]]] | None:
+        """Tenant quotas: the candidates the requesting pool may store, and the victims that make
+        room for them (already evicted), or None (no change) when the tier cannot make the room.
+
+        A pool past its budget evicts its own least recently used chunks; the candidates beyond
+        what it can free of its own are refused (the tail: a prefix is worth more than its end).
+        Room the tier lacks beyond that comes from :meth:`TenantQuotas.donors`.
+        """
+        assert self._tenants is not None
+        tenants = self._tenants
+        quotas, slot = tenants.quotas, self.slot_bytes
+        pool = quotas.pool_of_request(ctx)
+        eligible = tenants.eligible(guard)
+        own = -(-quotas.own_excess(pool, len(candidates) * slot) // slot)
+        keep = len(candidates)
+        if own > eligible[pool]:
+            keep = max(0, keep - (own - eligible[pool]))
+            own = eligible[pool] if keep else 0
+        plan = [(pool, own)] if own else []
+        need = keep - self.free_slots - own
+        if need > 0:
+            eligible[pool] -= own
+            more = tenants.plan(need, quotas.donors(pool), eligible)
+            if more is None:
+                return None
+            plan.extend(more)
+        if keep < len(candidates):
+            quotas.count_refused(pool, len(candidates) - keep)
+            candidates = candidates[:keep]
+        return candidates, tenants.evict_planned(plan, guard) if plan else []
 
     def _allocate(self, n: int) -> list[int]:
         """``n`` slot ids: never-used ids first, then the most recently freed (caller checked room)."""

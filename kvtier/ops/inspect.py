@@ -1,7 +1,9 @@
 """``kvtier inspect ROOT [--json]``: what an fs-tier root holds, from ``stat`` alone.
 
 Lists every run namespace under ROOT (``<model>_<digest>`` with a valid ``config.json``, see
-:mod:`kvtier.ops.runs`), its run fields and the ranks whose trees exist, and per rank tree: chunk
+:mod:`kvtier.ops.runs`), its run fields, its compatibility manifest (model, ``model_revision``,
+``namespace_tag``: :mod:`kvtier.layout`; neither set is vLLM's exact namespace) and the ranks
+whose trees exist, and per rank tree: chunk
 files, their bytes, oldest/newest mtime, files of the trailer-less size (exactly ``slot_bytes``:
 vLLM's format), temporary files (``*.tmp`` of writes in progress or crashed, O_DIRECT probe
 files), stray entries (names not of the layout) and unsafe entries (links or special files where
@@ -26,6 +28,8 @@ escaped (:func:`kvtier.ops.runs.printable`), in the text and the JSON alike.
       "root": str,
       "runs": [{
         "name": "<model>_<digest>", "model": str, "digest": str, "fields": {run fields},
+        "manifest": {"model": str, "model_revision": str | null, "namespace_tag": str | null,
+                     "vllm_compatible": bool},            # true: neither revision nor tag is set
         "ranks": [int],
         "trees": [{
           "name": "<model>_<digest>_r<rank>", "rank": int,
@@ -144,7 +148,7 @@ def inspect_root(root_fd: int, root: str, *, slot_bytes: int | None = None,
             totals["runs"] += 1
             report_runs.append({
                 "name": run.name, "model": run.model, "digest": run.digest, "fields": run.fields,
-                "ranks": [t.rank for t in run.trees], "trees": trees,
+                "manifest": _manifest(run), "ranks": [t.rank for t in run.trees], "trees": trees,
             })
     totals["unsafe_entries"] += len(found.unsafe_entries)
     return {
@@ -156,6 +160,21 @@ def inspect_root(root_fd: int, root: str, *, slot_bytes: int | None = None,
         "other_entries": found.other_entries,
         "totals": totals,
     }
+
+
+def _manifest(run: _runs.Run) -> dict[str, Any]:
+    manifest = run.manifest
+    manifest["vllm_compatible"] = manifest["model_revision"] is None and manifest["namespace_tag"] is None
+    return manifest
+
+
+def _manifest_line(manifest: dict[str, Any]) -> str:
+    if manifest["vllm_compatible"]:
+        return "  manifest none (vLLM-compatible namespace)"
+    parts = [f"model {manifest['model']}"]
+    for key in ("model_revision", "namespace_tag"):
+        parts.append(f"{key} {manifest[key] if manifest[key] is not None else '-'}")
+    return "  manifest " + "  ".join(parts)
 
 
 def _has_problems(report: dict[str, Any]) -> bool:
@@ -175,6 +194,7 @@ def _print_text(report: dict[str, Any], out: TextIO) -> None:
         f = run["fields"]
         print(f"\nrun {run['name']}", file=out)
         print(f"  model {run['model']}  digest {run['digest']}  ranks {run['ranks'] or '-'}", file=out)
+        print(_manifest_line(run["manifest"]), file=out)
         interesting = ("tokens_per_hash", "blocks_per_file", "dtype", "tp_size", "pp_size", "pcp_size", "dcp_size",
                        "parallel_agnostic", "inference_engine")
         print("  fields " + "  ".join(f"{k}={f[k]}" for k in interesting if k in f), file=out)

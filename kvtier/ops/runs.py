@@ -42,7 +42,7 @@ from typing import Any, NamedTuple, TextIO
 import anyio
 
 from kvtier.errors import ConfigError
-from kvtier.layout import Namespace, namespace
+from kvtier.layout import Namespace, manifest_of, namespace
 from kvtier.tiers.fs import beneath, scan, tree
 from kvtier.tiers.fs.pool import usable_cpus
 from kvtier.tiers.fs.scan_workers import ScanWorkers
@@ -99,6 +99,11 @@ class Run:
     digest: str
     fields: dict[str, Any]
     trees: list[RankTree] = field(default_factory=list)
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        """The run's compatibility manifest, from its ``config.json`` (:func:`kvtier.layout.manifest_of`)."""
+        return manifest_of(self.fields)
 
 
 @dataclass(slots=True)

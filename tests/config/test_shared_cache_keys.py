@@ -114,3 +114,9 @@ def test_bad_codec_values_are_refused(section: str, value: Any, words: str) -> N
         EngineConfig.from_dict(tiering(**FS, **{section: value}))
     assert words in str(info.value)
     assert "00" * 32 not in str(info.value)  # a key pasted into the config is never echoed
+
+
+@pytest.mark.parametrize(("key", "value"), [("namespace_tag", "tag\n"), ("tenant_cpu_bytes", {"a\n": 1})])
+def test_a_trailing_newline_is_not_a_valid_label(key: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=key):
+        EngineConfig.from_dict({"cpu_bytes_to_use": 1 << 30, key: value})

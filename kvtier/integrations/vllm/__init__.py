@@ -12,6 +12,9 @@ Configuration alone adds kvtier to a vLLM deployment (README, "Using kvtier from
 * ``KvtierLRUPolicy``, ``KvtierARCPolicy`` — vLLM ``CachePolicy``s backed by kvtier's
   O(log n) policies: ``"eviction_policy": "KvtierARCPolicy", "cache_policy_module_path":
   "kvtier.integrations.vllm.policies"``.
+* ``model_revision`` and ``namespace_tag`` at the top level of ``kv_connector_extra_config``
+  give kvtier's tiers a namespace of their own (the compatibility manifest,
+  ``docs/shared-caches.md``); without them the tiers use vLLM's exact namespace.
 * :func:`register` — installed as a ``vllm.general_plugins`` entry point, so every vLLM process
   knows the ``kvtier_*`` tier types without a ``module_path``.
 

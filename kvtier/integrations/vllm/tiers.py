@@ -22,6 +22,11 @@ and is only ever touched from there. Between the two sits a *scheduler-side view
   reports the key missing and the view forgets it): a stale HIT costs one failed promotion, never
   wrong bytes — kvtier checks every chunk's trailer before it reaches the primary rows.
 
+The run's namespace is vLLM's own (:class:`~vllm.v1.kv_offload.file_mapper.FileMapper`), plus the
+compatibility manifest of the top-level ``model_revision`` and ``namespace_tag`` keys of
+``kv_connector_extra_config`` where they are set (:func:`kvtier.layout.with_manifest`). vLLM's own
+model revision is not read: without those keys the namespace is exactly vLLM's.
+
 The inbox is one ``collections.deque`` (appends and pops are atomic); the loop thread appends, the
 scheduler side pops. Nothing else is shared between the threads.
 """
@@ -57,6 +62,7 @@ from vllm.v1.kv_offload.tiering.base import TIER_LABEL, JobResult, SecondaryTier
 from kvtier.config import TierConfig
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.loop import HostedTask, LoopThread
+from kvtier.layout import with_manifest
 from kvtier.tiers import base as kbase
 from kvtier.tiers.factory import SecondaryTierFactory as KvtierTierFactory
 from kvtier.types import LookupResult as KvtierLookup
@@ -102,6 +108,16 @@ def _claim_position(spec: Any, tier_type: str, kwargs: dict[str, Any]) -> int:
         position = len(claimed)
         claimed.add(position)
         return position
+
+
+def _run_fields(vllm_fields: dict[str, Any], spec: Any) -> dict[str, Any]:
+    """vLLM's run fields with the manifest of ``kv_connector_extra_config`` (the same top-level
+    keys as :func:`kvtier.open`'s configuration); exactly vLLM's where neither key is set."""
+    extra = getattr(spec, "extra_config", None)
+    if not isinstance(extra, dict):
+        return vllm_fields
+    return with_manifest(vllm_fields, model_revision=extra.get("model_revision"),
+                         namespace_tag=extra.get("namespace_tag"))
 
 
 class PrimaryRows:
@@ -199,7 +215,7 @@ class _KvtierTier(SecondaryTierManager):
             host=self._rows,  # type: ignore[arg-type]  # duck-typed: view()/views()
             geometry=None,
             blocks_per_chunk=offloading_spec.blocks_per_chunk,
-            run_fields=mapper.get_run_config(),
+            run_fields=_run_fields(mapper.get_run_config(), offloading_spec),
             rank=mapper.rank,
             kv_events_enabled=events_on,
             self_describing_kv_events=bool(offloading_spec.kv_events_config.self_describing_kv_events),
