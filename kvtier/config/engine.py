@@ -15,8 +15,8 @@ from typing import Any
 
 from kvtier.config.redaction import redact_plain
 from kvtier.config.schema import (
-    MODULE_PATH_SPEC,
     DEFAULT_TENANT,
+    MODULE_PATH_SPEC,
     FrozenOptions,
     KeySpec,
     did_you_mean,

@@ -161,7 +161,7 @@ P2P_AUTH_SCHEMA: Mapping[str, KeySpec] = {
 #: ``compression`` of a storage tier: lossless, opt-in (docs/shared-caches.md).
 COMPRESSION_SCHEMA: Mapping[str, KeySpec] = {
     "codec": KeySpec("str", default="zstd", choices=("zstd",)),
-    "level": KeySpec("int", default=3, ge=-7, le=22, help="zstd level; negative: faster, larger"),
+    "level": KeySpec("int", default=1, ge=-7, le=22, help="zstd level; negative: faster, larger"),
     "transform": KeySpec("str", default="byte_planes", choices=("byte_planes", "none"),
                          help="byte_planes: 16-bit elements split into high and low byte planes first"),
 }
@@ -169,7 +169,8 @@ COMPRESSION_SCHEMA: Mapping[str, KeySpec] = {
 ENCRYPTION_SCHEMA: Mapping[str, KeySpec] = {
     "key_file": KeySpec("str", non_empty=True, max_len=4096, check=_no_nul,
                         help="lines '<key_id>:<64 hex digits>', owner-only"),
-    "key_id": KeySpec("int", ge=0, le=0xFFFFFFFF, help="the key that encrypts new chunks"),
+    "key_id": KeySpec("int", nullable=True, ge=1, le=0xFFFFFFFF,
+                      help="the key that encrypts new chunks; null: decrypt only, new chunks are written plain"),
 }
 #: Modes the fs tier creates chunk files and directories with: owner-only unless configured.
 DEFAULT_FILE_MODE = 0o600

@@ -7,15 +7,18 @@ whose trees exist, and per rank tree: chunk
 files, their bytes, oldest/newest mtime, files of the trailer-less size (exactly ``slot_bytes``:
 vLLM's format), temporary files (``*.tmp`` of writes in progress or crashed, O_DIRECT probe
 files), stray entries (names not of the layout) and unsafe entries (links or special files where
-a chunk or shard directory belongs); then totals. No file is opened except ``config.json``; the
+a chunk or shard directory belongs); then totals. No file is opened except ``config.json`` (and,
+in a tree whose files have more than the two plain sizes, a compressed or encrypted tier's, the
+trailers of up to three files of each of its three most common sizes, to learn the slot size); the
 shard directories of a big tree are listed by ``--scan-workers`` processes at the lowest CPU
 priority (:func:`kvtier.ops.runs.list_tree`); nothing is changed.
 
 ``slot_bytes``: ``config.json`` holds the run fields, not the KV geometry (head count and size),
 so the slot size is derived from the tree's file sizes (:func:`kvtier.ops.runs.guess_slot_bytes`:
 the most common size is the trailered size ``slot_bytes + 4096``, unless files 4096 bytes larger
-exist too, then it is a trailer-less vLLM tree); ``--slot-bytes`` overrides the guess. ``kvtier
-verify`` confirms it from the trailers.
+exist too, then it is a trailer-less vLLM tree), or from a few trailers when the sizes vary (coded
+files: :mod:`kvtier.tiers.codec`); ``--slot-bytes`` overrides both. ``kvtier verify`` confirms it
+from the trailers.
 
 Exit status: 0 when nothing is wrong by stat alone; 1 when ROOT holds unsafe entries, stray
 entries, invalid run directories or orphan trees, or the output could not be written; 2 on
@@ -33,17 +36,18 @@ escaped (:func:`kvtier.ops.runs.printable`), in the text and the JSON alike.
         "ranks": [int],
         "trees": [{
           "name": "<model>_<digest>_r<rank>", "rank": int,
-          "slot_bytes": int | null, "slot_bytes_source": "option" | "guessed" | null,
+          "slot_bytes": int | null, "slot_bytes_source": "option" | "guessed" | "trailer" | null,
           "chunk_files": int, "chunk_bytes": int,
           "oldest_mtime": float | null, "newest_mtime": float | null,   # Unix seconds
-          "trailerless_files": int, "other_size_files": int,             # neither size
+          "trailerless_files": int, "coded_files": int,                  # compressed/encrypted
+          "other_size_files": int,                                       # none of those sizes
           "tmp_files": int, "tmp_bytes": int,
           "stray_entries": [relpath], "unsafe_entries": [relpath]        # relative to the tree
         }]
       }],
       "invalid_runs": [{"name": str, "reason": str}],
       "orphan_trees": [str], "unsafe_entries": [str], "other_entries": [str],   # directly under ROOT
-      "totals": {"runs", "trees", "chunk_files", "chunk_bytes", "trailerless_files",
+      "totals": {"runs", "trees", "chunk_files", "chunk_bytes", "trailerless_files", "coded_files",
                  "other_size_files", "tmp_files", "tmp_bytes", "stray_entries", "unsafe_entries"}: int
     }
 """
@@ -51,6 +55,7 @@ escaped (:func:`kvtier.ops.runs.printable`), in the text and the JSON alike.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -60,6 +65,8 @@ from typing import Any, TextIO
 from kvtier.ops import runs as _runs
 from kvtier.ops.cli_args import CliParser
 from kvtier.ops.runs import Progress, discover, format_bytes, guess_slot_bytes, list_tree, run_on_root
+from kvtier.tiers.codec import is_coded_file_size
+from kvtier.tiers.fs import beneath
 from kvtier.tiers.integrity import TRAILER_PAGE
 
 __all__ = ["run_inspect_cli", "build_parser", "inspect_root"]
@@ -76,7 +83,8 @@ exit status:
 def build_parser() -> argparse.ArgumentParser:
     parser = CliParser(
         prog="kvtier inspect",
-        description="Summarise the fs-tier runs under ROOT from stat alone (no file reads, no changes).",
+        description="Summarise the fs-tier runs under ROOT from stat alone (no chunk reads but a few trailers "
+                    "where the sizes vary; no changes).",
         epilog=_EPILOG,
         formatter_class=_runs.HelpFormatter,
     )
@@ -93,20 +101,29 @@ def build_parser() -> argparse.ArgumentParser:
 _positive_int = _runs.size_arg
 
 
-def _tree_report(listing: _runs.TreeListing, slot_option: int | None) -> dict[str, Any]:
+def _tree_report(listing: _runs.TreeListing, slot_option: int | None, tree_fd: int) -> dict[str, Any]:
     sizes = [c.size for c in listing.chunks]
-    slot = slot_option if slot_option is not None else guess_slot_bytes(sizes)
+    slot, source = slot_option, "option"
+    if slot is None:
+        slot, source = guess_slot_bytes(sizes), "guessed"
+        if slot is None or any(s not in (slot, slot + TRAILER_PAGE) for s in sizes):
+            # Sizes beyond the plain two (a compressed or encrypted tier's files): the trailers say.
+            recorded = _runs.slot_from_trailers(tree_fd, listing)
+            if recorded is not None:
+                slot, source = recorded, "trailer"
     raw = sum(1 for s in sizes if s == slot) if slot is not None else 0
     trailered = sum(1 for s in sizes if s == slot + TRAILER_PAGE) if slot is not None else 0
+    coded = sum(1 for s in sizes if is_coded_file_size(s, slot)) if slot is not None else 0
     return {
         "slot_bytes": slot,
-        "slot_bytes_source": None if slot is None else ("option" if slot_option is not None else "guessed"),
+        "slot_bytes_source": None if slot is None else source,
         "chunk_files": len(sizes),
         "chunk_bytes": sum(sizes),
         "oldest_mtime": listing.chunks[0].mtime if listing.chunks else None,
         "newest_mtime": max(c.mtime for c in listing.chunks) if listing.chunks else None,
         "trailerless_files": raw,
-        "other_size_files": len(sizes) - raw - trailered,
+        "coded_files": coded,
+        "other_size_files": len(sizes) - raw - trailered - coded,
         "tmp_files": len(listing.tmp),
         "tmp_bytes": sum(t.size for t in listing.tmp),
         "stray_entries": sorted(e.relpath for e in listing.stray),
@@ -130,18 +147,22 @@ def inspect_root(root_fd: int, root: str, *, slot_bytes: int | None = None,
         return f"kvtier inspect: {done[0]} shard directories listed ({time.monotonic() - started:.1f} s)"
 
     report_runs = []
-    totals = dict.fromkeys(("runs", "trees", "chunk_files", "chunk_bytes", "trailerless_files", "other_size_files",
-                            "tmp_files", "tmp_bytes", "stray_entries", "unsafe_entries"), 0)
+    totals = dict.fromkeys(("runs", "trees", "chunk_files", "chunk_bytes", "trailerless_files", "coded_files",
+                            "other_size_files", "tmp_files", "tmp_bytes", "stray_entries", "unsafe_entries"), 0)
     with Progress(render, stream=progress_stream):
         for run in found.runs:
             trees = []
             for tree in run.trees:
                 listing = list_tree(root_fd, tree.name, workers=scan_workers, on_shard=tick)
-                entry = {"name": tree.name, "rank": tree.rank, **_tree_report(listing, slot_bytes)}
+                tree_fd = beneath.open_dir(root_fd, tree.name)
+                try:
+                    entry = {"name": tree.name, "rank": tree.rank, **_tree_report(listing, slot_bytes, tree_fd)}
+                finally:
+                    os.close(tree_fd)
                 trees.append(entry)
                 totals["trees"] += 1
-                for key in ("chunk_files", "chunk_bytes", "trailerless_files", "other_size_files", "tmp_files",
-                            "tmp_bytes"):
+                for key in ("chunk_files", "chunk_bytes", "trailerless_files", "coded_files", "other_size_files",
+                            "tmp_files", "tmp_bytes"):
                     totals[key] += entry[key]
                 totals["stray_entries"] += len(entry["stray_entries"])
                 totals["unsafe_entries"] += len(entry["unsafe_entries"])
@@ -207,7 +228,8 @@ def _print_text(report: dict[str, Any], out: TextIO) -> None:
                   f"{' (' + tree['slot_bytes_source'] + ')' if slot is not None else ''}", file=out)
             print(f"    mtimes       oldest {_when(tree['oldest_mtime'])}  newest {_when(tree['newest_mtime'])}",
                   file=out)
-            print(f"    trailer-less {tree['trailerless_files']}  other sizes {tree['other_size_files']}  "
+            print(f"    trailer-less {tree['trailerless_files']}  coded {tree['coded_files']}  "
+                  f"other sizes {tree['other_size_files']}  "
                   f"tmp {tree['tmp_files']} ({format_bytes(tree['tmp_bytes'])})  "
                   f"stray {len(tree['stray_entries'])}  unsafe {len(tree['unsafe_entries'])}", file=out)
             for label in ("stray_entries", "unsafe_entries"):
@@ -223,7 +245,8 @@ def _print_text(report: dict[str, Any], out: TextIO) -> None:
             more = f" ... {len(names) - 20} more" if len(names) > 20 else ""
             print(f"\n{label.replace('_', ' ')} under root: {', '.join(names[:20])}{more}", file=out)
     print(f"\ntotal: {t['chunk_files']} chunk files, {format_bytes(t['chunk_bytes'])}; "
-          f"trailer-less {t['trailerless_files']}, other sizes {t['other_size_files']}, tmp {t['tmp_files']}, "
+          f"trailer-less {t['trailerless_files']}, coded {t['coded_files']}, other sizes {t['other_size_files']}, "
+          f"tmp {t['tmp_files']}, "
           f"stray {t['stray_entries']}, unsafe {t['unsafe_entries']}", file=out)
 
 

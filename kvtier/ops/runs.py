@@ -46,7 +46,7 @@ from kvtier.layout import Namespace, manifest_of, namespace
 from kvtier.tiers.fs import beneath, scan, tree
 from kvtier.tiers.fs.pool import usable_cpus
 from kvtier.tiers.fs.scan_workers import ScanWorkers
-from kvtier.tiers.integrity import TRAILER_PAGE
+from kvtier.tiers.integrity import TRAILER_PAGE, TRAILER_SIZE, recorded_slot_bytes
 
 __all__ = [
     "RootError",
@@ -59,6 +59,7 @@ __all__ = [
     "discover",
     "list_tree",
     "guess_slot_bytes",
+    "slot_from_trailers",
     "parse_size",
     "format_bytes",
     "Progress",
@@ -387,6 +388,34 @@ def guess_slot_bytes(sizes: list[int]) -> int | None:
     if counts.get(top + TRAILER_PAGE):
         return top
     return top - TRAILER_PAGE
+
+
+def slot_from_trailers(tree_fd: int, listing: TreeListing) -> int | None:
+    """``slot_bytes`` as the trailer of a file of one of the three most common sizes records it
+    (at most three files read per size); None when none of them records one."""
+    by_size: dict[int, list[str]] = collections.defaultdict(list)
+    for entry in listing.chunks:
+        if len(by_size[entry.size]) < 3:
+            by_size[entry.size].append(entry.relpath)
+    counts = collections.Counter(e.size for e in listing.chunks)
+    for size, _ in counts.most_common(3):
+        if size < 2 * TRAILER_PAGE or size % TRAILER_PAGE:
+            continue
+        for relpath in by_size[size]:
+            try:
+                fd = beneath.open_file(tree_fd, relpath, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                trailer = os.pread(fd, TRAILER_SIZE, size - TRAILER_SIZE)
+            except OSError:
+                continue
+            finally:
+                os.close(fd)
+            slot = recorded_slot_bytes(trailer, size)
+            if slot is not None:
+                return slot
+    return None
 
 
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kmgtp]?)(i?)(b?)\s*", re.IGNORECASE)

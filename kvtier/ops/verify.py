@@ -1,4 +1,4 @@
-"""``kvtier verify ROOT [--run DIGEST] [--repair] [--json] [--workers N]``: read and check every chunk.
+"""``kvtier verify ROOT [--run DIGEST] [--repair] [--json] [--workers N] [--key-file PATH]``: read and check every chunk.
 
 Every chunk file of every rank tree (:mod:`kvtier.ops.runs`) is read in full and checked with
 :func:`kvtier.tiers.fs.chunks.load_chunk` — the tier's own load path — against its identity: the
@@ -8,8 +8,17 @@ chunk copied over another's name, or into another run's or rank's tree, fails ``
 Reads never follow a link and never open a special file (:mod:`kvtier.tiers.fs.beneath`); nothing
 outside ROOT is reached.
 
+Coded chunks (compressed and/or encrypted, :mod:`kvtier.tiers.codec`) are decoded as a load does:
+compressed ones always; encrypted ones with ``--key-file`` (the tier's key file: every key in it
+decrypts), whose tag then proves them authentic. Without ``--key-file`` an encrypted chunk is
+checked up to its checksum and reported ``encrypted`` (authenticity unchecked): never a problem,
+never removed.
+
 Reasons reported (per file): the trailer's ``short``, ``long``, ``bad_trailer``, ``old_version``,
-``checksum``, ``wrong_chunk``; ``unreadable`` (the file could not be read: ``EIO``, ``EACCES``;
+``checksum``, ``wrong_chunk``; the codecs' ``codec`` (compressed bytes that do not decode to one
+slot), ``undecryptable`` (with ``--key-file``: the tag does not verify, tampered or encrypted with
+another key of the same id) and ``no_key`` (with ``--key-file``: its key id is not in the file;
+never removed, the key may be elsewhere); ``unreadable`` (the file could not be read: ``EIO``, ``EACCES``;
 never removed, as nothing is known of its bytes); ``unverified`` (a trailer-less file of exactly ``slot_bytes``,
 written by vLLM: reported, never a problem, never removed); ``not_regular`` (a link, special file
 or directory where a chunk or shard directory belongs; never followed); ``stray`` (a name not of
@@ -18,7 +27,7 @@ may belong to a live writer and are only counted). Files that vanish while being
 engine evicted them) are counted, not problems. Directly under ROOT, invalid run directories,
 orphan trees and links bearing run or tree names are reported as problems and never repaired.
 
-``--repair`` removes every problem file but the unreadable ones
+``--repair`` removes every problem file but the unreadable and ``no_key`` ones
 (:func:`kvtier.tiers.fs.chunks.remove_file`: a link is removed itself, never its target; a directory
 only when empty). It is safe next to running engines: their loads verify every file, and a file
 removed under them is a miss. The report — every entry to remove, and the summary — is written
@@ -27,10 +36,10 @@ document records the outcome); an output that fails removes nothing (exit 1). Na
 escaped (:func:`kvtier.ops.runs.printable`), in the text and the JSON alike.
 
 ``slot_bytes`` (the run fields do not record the KV geometry) is read from the trailers: the
-length field of a file of one of the most common sizes; ``--slot-bytes`` overrides it. When no
-trailer is valid, the most common size is taken as the trailer-less (vLLM) slot size — the guess
-under which no file is removed for its size alone; a tree where even that fails (no size a
-multiple of 4096) is not checked: its files count as ``unchecked`` problems, never removed.
+length field (a coded file: its slot length field) of a file of one of the most common sizes;
+``--slot-bytes`` overrides it. When no trailer is valid, the most common size is taken as the
+trailer-less (vLLM) slot size — the guess under which no file is removed for its size alone; a
+tree where even that fails (no size a multiple of 4096) is not checked: its files count as ``unchecked`` problems, never removed.
 
 Readers: ``--workers N`` (default: the usable cores). With N > 1 the files are checked by N worker
 processes (:mod:`kvtier.ops.verify_workers`), each with its own interpreter lock: the checksum and
@@ -64,6 +73,7 @@ could not be written), 2 usage errors.
                 "slot_bytes_source": "option" | "trailer" | "guessed" | null, "chunk_files": int}],
      "problems": [{"path": str (relative to ROOT), "reason": str, "bytes": int, "repaired": bool}],
      "unverified": [str],                     # trailer-less files (paths relative to ROOT)
+     "encrypted": [str],                      # encrypted files not decrypted (no --key-file)
      "invalid_runs": [{"name": str, "reason": str}], "orphan_trees": [str], "unsafe_entries": [str],
      "problems_left": int}
 """
@@ -92,20 +102,21 @@ from kvtier.ops.runs import (
     printable_report,
     run_on_root,
 )
-from kvtier.ops.verify_workers import VERDICTS, Checker, CheckRequest, VerifyWorkers
+from kvtier.ops.verify_workers import VERDICTS, Checker, CheckRequest, VerifyWorkers, reader_codec
 from kvtier.tiers.fs import beneath, chunks
 from kvtier.tiers.fs.pool import usable_cpus
 from kvtier.tiers.fs.tree import key_from_relpath
-from kvtier.tiers.integrity import TAIL_SIZE, TRAILER_PAGE, identity, recorded_length
+from kvtier.tiers.integrity import TRAILER_PAGE, identity
 
 __all__ = ["run_verify_cli", "build_parser", "verify_root", "REASONS", "IO_DEPTH"]
 
 #: Every reason a file can be reported for.
 REASONS: tuple[str, ...] = (
     "short", "long", "bad_trailer", "old_version", "checksum", "wrong_chunk", "unverified", "not_regular", "stray",
-    "unreadable",
+    "unreadable", "codec", "undecryptable", "no_key", "encrypted",
 )
-_KEPT = frozenset({"unreadable"})  # problems --repair never removes: nothing is known of the bytes
+# Problems --repair never removes: nothing is known of the bytes, or their key may be elsewhere.
+_KEPT = frozenset({"unreadable", "no_key"})
 # Files per batch at most: a request of 256 layout paths and identities is ~56 KB, within a pipe's
 # 64 KiB, so the parent's send to a worker busy with its other request never waits for it.
 _BATCH = 256
@@ -143,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="slot size of every run (e.g. 256KiB); read from the trailers when not given")
     parser.add_argument("--tmp-grace", type=float, default=3600.0, metavar="SECONDS",
                         help="temporary files older than this are stray (the tier's stale_tmp_grace_s)")
+    parser.add_argument("--key-file", default=None, metavar="PATH",
+                        help="the tiers' encryption key file: encrypted chunks are decrypted and so proven "
+                             "authentic (without it they are reported 'encrypted', unchecked)")
     return parser
 
 
@@ -162,32 +176,6 @@ class _Tree:
 _Work = tuple[_Tree, _runs.FileEntry, bytes]  # a chunk file to check, with its identity
 
 
-def _slot_from_trailers(tree_fd: int, listing: _runs.TreeListing) -> int | None:
-    """``slot_bytes`` from the trailer length of a file of one of the most common sizes."""
-    by_size: dict[int, list[str]] = collections.defaultdict(list)
-    for entry in listing.chunks:
-        if len(by_size[entry.size]) < 3:
-            by_size[entry.size].append(entry.relpath)
-    counts = collections.Counter(e.size for e in listing.chunks)
-    for size, _ in counts.most_common(3):
-        if size < 2 * TRAILER_PAGE or size % TRAILER_PAGE:
-            continue
-        for relpath in by_size[size]:
-            try:
-                fd = beneath.open_file(tree_fd, relpath, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                tail = os.pread(fd, TAIL_SIZE, size - TAIL_SIZE)
-            except OSError:
-                continue
-            finally:
-                os.close(fd)
-            if recorded_length(tail) == size - TRAILER_PAGE:
-                return size - TRAILER_PAGE
-    return None
-
-
 def _raw_slot_guess(sizes: list[int]) -> int | None:
     if not sizes:
         return None
@@ -198,7 +186,8 @@ def _raw_slot_guess(sizes: list[int]) -> int | None:
 def verify_root(root_fd: int, root: str, *, workers: int, io_depth: int = IO_DEPTH, run_filter: str | None = None,
                 repair: bool = False, slot_bytes: int | None = None, tmp_grace_s: float = 3600.0,
                 progress_stream: TextIO | None = None,
-                before_repair: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                before_repair: Callable[[dict[str, Any]], None] | None = None,
+                key_file: str | None = None) -> dict[str, Any]:
     """Verify (and with ``repair`` clean) ROOT open as ``root_fd``; the ``--json`` document.
     ``workers``: readers (more than one: worker processes, see the module docstring);
     ``io_depth``: reads in flight over all of them for files not in the page cache.
@@ -207,10 +196,16 @@ def verify_root(root_fd: int, root: str, *, workers: int, io_depth: int = IO_DEP
     writes its report there, and what it raises (an output that fails) stops the repair with
     nothing removed.
 
-    ``ValueError`` when ``run_filter`` matches no run or ``workers``/``io_depth`` is below 1;
-    ``OSError`` when a worker fails or this process runs out of descriptors or memory."""
+    ``key_file``: the encryption key file that decrypts encrypted chunks (checked here first).
+
+    ``ValueError`` when ``run_filter`` matches no run or ``workers``/``io_depth`` is below 1, or
+    the key file is unusable (:class:`~kvtier.errors.ConfigError`); ``OSError`` when a worker
+    fails or this process runs out of descriptors or memory."""
     if workers < 1 or io_depth < 1:
         raise ValueError(f"workers and io_depth must be at least 1, got {workers} and {io_depth}")
+    if key_file:
+        key_file = os.path.abspath(key_file)  # workers are told the path
+        reader_codec(TRAILER_PAGE, key_file)  # an unusable key file fails before any work
     found = discover(root_fd)
     selected = [r for r in found.runs if run_filter is None or run_filter in (r.digest, r.name)]
     if run_filter is not None and not selected:
@@ -221,6 +216,7 @@ def verify_root(root_fd: int, root: str, *, workers: int, io_depth: int = IO_DEP
     problems: list[dict[str, Any]] = []
     counts = dict.fromkeys(REASONS, 0)
     unverified: list[str] = []
+    encrypted: list[str] = []
     tmp_in_progress = 0
     try:
         opened = []
@@ -235,20 +231,21 @@ def verify_root(root_fd: int, root: str, *, workers: int, io_depth: int = IO_DEP
             pool = None
             if workers > 1 and tree_fds:
                 # Started first: they boot (~0.1 s) while the trees are listed.
-                pool = stack.enter_context(VerifyWorkers(tree_fds, workers, _depth_per_reader(io_depth, workers)))
+                pool = stack.enter_context(VerifyWorkers(tree_fds, workers, _depth_per_reader(io_depth, workers),
+                                                         key_file))
             for index, (run, tree) in enumerate(opened):
                 tree_fd = tree_fds[index]
                 listing = list_tree(root_fd, tree.name)
                 slot, source = slot_bytes, "option"
                 if slot is None:
-                    slot, source = _slot_from_trailers(tree_fd, listing), "trailer"
+                    slot, source = _runs.slot_from_trailers(tree_fd, listing), "trailer"
                 if slot is None:
                     # No trailer vouches for a size: take the most common size as trailer-less
                     # (vLLM) slots, the guess under which no file is removed for its size alone.
                     slot, source = _raw_slot_guess([c.size for c in listing.chunks]), "guessed"
                 trees.append(_Tree(index, tree.name, run.name, tree.rank, tree_fd, tree.namespace, slot,
                                    source if slot is not None else None, listing))
-            checked = _check_chunks(trees, pool, io_depth, progress_stream)
+            checked = _check_chunks(trees, pool, io_depth, progress_stream, key_file)
         for t in trees:
             for entry in t.listing.unsafe:
                 problems.append(_problem(t, entry.relpath, "not_regular", entry.size, entry.is_dir))
@@ -276,6 +273,9 @@ def verify_root(root_fd: int, root: str, *, workers: int, io_depth: int = IO_DEP
             elif verdict == "unverified":
                 counts["unverified"] += 1
                 unverified.append(f"{t.name}/{entry.relpath}")
+            elif verdict == "no_key" and not key_file:  # not decrypted: nothing known against it
+                counts["encrypted"] += 1
+                encrypted.append(f"{t.name}/{entry.relpath}")
             else:
                 problems.append(_problem(t, entry.relpath, verdict, entry.size, False))
         for p in problems:
@@ -303,6 +303,7 @@ def verify_root(root_fd: int, root: str, *, workers: int, io_depth: int = IO_DEP
             "problems": [{"path": f"{p['tree']}/{p['relpath']}", "reason": p["reason"], "bytes": p["bytes"],
                           "repaired": False} for p in problems],
             "unverified": unverified,
+            "encrypted": encrypted,
             "invalid_runs": [{"name": n, "reason": r} for n, r in found.invalid_runs] if run_filter is None else [],
             "orphan_trees": found.orphan_trees if run_filter is None else [],
             "unsafe_entries": found.unsafe_entries if run_filter is None else [],
@@ -340,7 +341,7 @@ def _depth_per_reader(io_depth: int, readers: int) -> int:
 
 
 def _check_chunks(trees: list[_Tree], workers: VerifyWorkers | None, io_depth: int,
-                  progress_stream: TextIO | None) -> dict[str, Any]:
+                  progress_stream: TextIO | None, key_file: str | None = None) -> dict[str, Any]:
     """Read and check every chunk file of ``trees``: on ``workers``, or in this process when None
     (with ``io_depth`` reads in flight for files not in the page cache). ``results`` keep the
     trees' and listings' order whichever reads them."""
@@ -380,7 +381,7 @@ def _check_chunks(trees: list[_Tree], workers: VerifyWorkers | None, io_depth: i
     with Progress(render, stream=progress_stream):
         started = time.monotonic()
         if workers is None:
-            checker = Checker(io_depth)
+            checker = Checker(io_depth, key_file=key_file)
             try:
                 for number, batch in enumerate(batches):
                     checker.submit(batch[0][0].fd, _slot_of(batch[0][0]),
@@ -463,6 +464,10 @@ def _print_check(report: dict[str, Any], out: TextIO) -> None:
         print(f"  {'unverified':<12} {path} (trailer-less, vLLM's format: kept)", file=out)
     if len(report["unverified"]) > 20:
         print(f"  {'unverified':<12} ... {len(report['unverified']) - 20} more", file=out)
+    for path in report["encrypted"][:20]:
+        print(f"  {'encrypted':<12} {path} (authenticity not checked: give --key-file)", file=out)
+    if len(report["encrypted"]) > 20:
+        print(f"  {'encrypted':<12} ... {len(report['encrypted']) - 20} more", file=out)
     for item in report["invalid_runs"]:
         print(f"  invalid run directory {item['name']}: {item['reason']}", file=out)
     for name in report["orphan_trees"]:
@@ -515,7 +520,7 @@ def _verify(args: argparse.Namespace, root_fd: int, out: TextIO) -> int:
 
     report = verify_root(root_fd, args.root, workers=args.workers, io_depth=args.io_depth, run_filter=args.run,
                          repair=args.repair, slot_bytes=args.slot_bytes, tmp_grace_s=args.tmp_grace,
-                         before_repair=report_before_repair)
+                         before_repair=report_before_repair, key_file=args.key_file)
     if args.json:
         _runs.write_json(report, out)
         print(f"kvtier verify: {report['gib_per_s']:.2f} GiB/s", file=sys.stderr)

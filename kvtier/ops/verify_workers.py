@@ -3,7 +3,11 @@
 Checking one chunk (:func:`check_file`) is the fs tier's own load path,
 :func:`kvtier.tiers.fs.chunks.load_chunk`: a contained open (:mod:`kvtier.tiers.fs.beneath`: no link
 followed, nothing outside the tree reached), one ``preadv`` of the whole file, the trailer's
-length, version, run/rank identity and key, then the xxh3-64 checksum. The read runs without the
+length, version, run/rank identity and key, then the xxh3-64 checksum. Coded files (compressed
+and/or encrypted, :mod:`kvtier.tiers.codec`) are decoded as a load decodes them: compressed ones
+always; encrypted ones with a key file (their tag then proves them authentic), else they are
+``no_key`` (layout and checksum checked, authenticity not). A reader loads the key file itself
+(workers are told its path, in their environment; never a key). The read runs without the
 interpreter lock; the checksum and the Python run per file hold it, so threads of one process
 queue for that lock. :class:`VerifyWorkers` spreads the files over worker processes instead,
 each with its own interpreter: ``python -I`` running :func:`worker_main`, holding the rank trees'
@@ -34,6 +38,7 @@ from __future__ import annotations
 import collections
 import errno
 import functools
+import importlib
 import mmap
 import os
 import queue
@@ -45,11 +50,13 @@ import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Annotated
+from types import ModuleType
+from typing import Annotated, Any
 
 import msgspec
 import xxhash
 
+from kvtier.tiers.codec import ChunkCodec
 from kvtier.tiers.fs import beneath, chunks
 from kvtier.tiers.integrity import IDENTITY_SIZE, REJECT_REASONS
 from kvtier.worker_io import FRAME_HEADER, die_with_parent, import_paths, requests, write_all
@@ -71,6 +78,8 @@ _MAX_FILES = 1 << 16  # per request
 _STDERR_KEPT = 4096  # of a dead worker's stderr, for the error message
 _BOOT = ("import sys; sys.path[:0] = sys.argv[4:]; "
          "from kvtier.ops.verify_workers import worker_main; worker_main(sys.argv[1:4])")
+#: The environment variable that tells a worker the key file's path (never a key).
+KEY_FILE_ENV = "KVTIER_VERIFY_KEY_FILE"
 
 _Verdict = Annotated[int, msgspec.Meta(ge=0, lt=len(VERDICTS))]
 _Identity = Annotated[bytes, msgspec.Meta(min_length=IDENTITY_SIZE, max_length=IDENTITY_SIZE)]
@@ -96,16 +105,37 @@ class CheckAnswer(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 _STARTED = CheckRequest(-1, 0, 1, [])
 
 
+_readers: dict[int, ChunkCodec] = {}
+
+
+def reader_codec(slot_bytes: int, key_file: str | None = None) -> ChunkCodec:
+    """The codec that checks files of ``slot_bytes`` slots: it decodes compressed files, decrypts
+    with the keys of ``key_file`` when given (decrypt-only: plain files stay valid), and refuses
+    encrypted files as ``no_key`` without one. ``ConfigError`` for an unusable key file."""
+    if key_file:
+        # dtype only steers encoding (the flags of a file say how to decode it).
+        return ChunkCodec.from_options(None, {"key_file": key_file, "key_id": None}, dtype="fp8",
+                                       slot_bytes=slot_bytes, where="--key-file: ")
+    codec = _readers.get(slot_bytes)
+    if codec is None:
+        codec = _readers[slot_bytes] = ChunkCodec.reader(dtype="fp8", slot_bytes=slot_bytes)
+    return codec
+
+
 def check_file(tree_fd: int, relpath: str, buf: memoryview, chunk_identity: bytes, *,
-               nowait: bool = False) -> str | None:
+               nowait: bool = False, codec: ChunkCodec | None = None) -> str | None:
     """Read chunk file ``relpath`` beneath ``tree_fd`` into ``buf`` (one slot) and check it; a
     verdict of :data:`VERDICTS`. A file that cannot be read (``EIO``, ``EACCES``, ...) is
     ``unreadable``: reported, never taken for corrupt. Raises ``OSError`` for what is this
     process's trouble, not the file's (out of descriptors or memory): nothing can be concluded.
     ``nowait``: from the kernel's caches only; ``BlockingIOError`` or ``OSError`` ``EOPNOTSUPP``
-    as :func:`kvtier.tiers.fs.chunks.load_chunk` raises them (check it without, then)."""
+    as :func:`kvtier.tiers.fs.chunks.load_chunk` raises them (check it without, then).
+    ``codec`` decodes coded files (default: :func:`reader_codec` without keys)."""
+    if codec is None:
+        codec = reader_codec(len(buf))
     try:
-        return chunks.load_chunk(tree_fd, relpath, buf, chunk_identity, o_direct=False, nowait=nowait).reason
+        return chunks.load_chunk(tree_fd, relpath, buf, chunk_identity, o_direct=False, nowait=nowait,
+                                 codec=codec).reason
     except FileNotFoundError:
         return "vanished"
     except OSError as exc:
@@ -163,16 +193,19 @@ class Checker:
     for them (up to ``depth``) the readahead the kernel started when it was found not cached.
     """
 
-    def __init__(self, depth: int, on_error: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(self, depth: int, on_error: Callable[[BaseException], None] | None = None, *,
+                 key_file: str | None = None) -> None:
         if depth < 1:
             raise ValueError(f"depth must be at least 1, got {depth}")
         self._depth = depth
+        self._key_file = key_file
+        self._codecs: dict[int, ChunkCodec] = {}  # per slot size, with the key file's keys
         self._on_error = on_error
         self._ways: dict[int, str] = {}  # per tree: _NOWAIT until its filesystem says it cannot
         self._buffers: dict[int, memoryview] = {}  # the submitting thread's
         # Bounded: a cold tree of millions of files waits in the caller's list, not here twice;
         # and each file queued here has had its readahead started by the read that may not wait.
-        self._queue: queue.Queue[tuple[_Batch, int, int, int, str, bytes] | None] = queue.Queue(depth)
+        self._queue: queue.Queue[tuple[_Batch, int, int, int, str, bytes, dict[str, Any]] | None] = queue.Queue(depth)
         self._threads: list[threading.Thread] = []
         self._queued = 0  # files handed to the threads and not checked yet
         self._lock = threading.Lock()
@@ -190,10 +223,12 @@ class Checker:
         buf = slot_buffer(self._buffers, slot_bytes)
         checked = 0
         way = self._ways.get(tree_fd, _NOWAIT)
+        codec = self._codec_options(slot_bytes)
         for i, (relpath, chunk_identity) in enumerate(files):
             if way is not _THREADS:
                 try:
-                    batch.codes[i] = _CODE[check_file(tree_fd, relpath, buf, chunk_identity, nowait=way is _NOWAIT)]
+                    batch.codes[i] = _CODE[check_file(tree_fd, relpath, buf, chunk_identity, nowait=way is _NOWAIT,
+                                                      **codec)]
                     checked += 1
                     continue
                 except BlockingIOError:
@@ -205,11 +240,21 @@ class Checker:
                     # memory, else on the threads.
                     way = self._ways[tree_fd] = _HERE if chunks.in_memory_fs(tree_fd) else _THREADS
                     if way is _HERE:
-                        batch.codes[i] = _CODE[check_file(tree_fd, relpath, buf, chunk_identity)]
+                        batch.codes[i] = _CODE[check_file(tree_fd, relpath, buf, chunk_identity, **codec)]
                         checked += 1
                         continue
-            self._hand_over((batch, i, tree_fd, slot_bytes, relpath, chunk_identity))
+            self._hand_over((batch, i, tree_fd, slot_bytes, relpath, chunk_identity, codec))
         self._settle(batch, checked)
+
+    def _codec_options(self, slot_bytes: int) -> dict[str, Any]:
+        """What :func:`check_file` is given for files of ``slot_bytes``: with a key file, the codec
+        that decrypts with its keys (loaded once per slot size); else nothing (its default)."""
+        if not self._key_file:
+            return {}
+        codec = self._codecs.get(slot_bytes)
+        if codec is None:
+            codec = self._codecs[slot_bytes] = reader_codec(slot_bytes, self._key_file)
+        return {"codec": codec}
 
     def close(self) -> None:
         """Wait until every batch is done and end the threads; raise what failed one of them."""
@@ -221,7 +266,7 @@ class Checker:
         if self._error is not None:
             raise self._error
 
-    def _hand_over(self, item: tuple[_Batch, int, int, int, str, bytes]) -> None:
+    def _hand_over(self, item: tuple[_Batch, int, int, int, str, bytes, dict[str, Any]]) -> None:
         if self._error is not None:
             raise self._error
         with self._lock:
@@ -238,9 +283,10 @@ class Checker:
         while (item := self._queue.get()) is not None:
             if self._error is not None:  # failed: drained unchecked, so that no submit waits for room
                 continue
-            batch, i, tree_fd, slot_bytes, relpath, chunk_identity = item
+            batch, i, tree_fd, slot_bytes, relpath, chunk_identity, codec = item
             try:
-                batch.codes[i] = _CODE[check_file(tree_fd, relpath, slot_buffer(buffers, slot_bytes), chunk_identity)]
+                batch.codes[i] = _CODE[check_file(tree_fd, relpath, slot_buffer(buffers, slot_bytes), chunk_identity,
+                                                  **codec)]
                 self._settle(batch, 1, handed_over=True)
             except BaseException as exc:  # not a file's fault: its batch is never done
                 self._error = exc
@@ -267,15 +313,18 @@ class Checker:
 class _Worker:
     """One worker process, its pipes and the requests it has not answered yet."""
 
-    def __init__(self, tree_fds: Sequence[int], depth: int) -> None:
+    def __init__(self, tree_fds: Sequence[int], depth: int, key_file: str | None = None) -> None:
         if not sys.executable:
             raise OSError(errno.ENOENT, "no Python executable to start verify workers (use --workers 1)")
         fds = ",".join(str(fd) for fd in tree_fds)
-        command = [sys.executable, "-I", "-c", _BOOT, fds, str(os.getpid()), str(depth), *import_paths(msgspec, xxhash)]
+        command = [sys.executable, "-I", "-c", _BOOT, fds, str(os.getpid()), str(depth), *import_paths(*_worker_modules())]
+        env = {k: v for k, v in os.environ.items() if k != KEY_FILE_ENV}
+        if key_file:
+            env[KEY_FILE_ENV] = key_file
         try:
             self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                             stderr=subprocess.PIPE, pass_fds=tuple(tree_fds),
-                                            start_new_session=True)
+                                            start_new_session=True, env=env)
         except OSError as exc:
             raise OSError(exc.errno, f"cannot start a verify worker ({sys.executable}): {exc.strerror or exc}") from exc
         assert self.process.stdin is not None and self.process.stdout is not None
@@ -369,12 +418,12 @@ class VerifyWorkers:
     until every one has imported its code (overlap it with other work) and mapped its
     buffers."""
 
-    def __init__(self, tree_fds: Sequence[int], size: int, depth: int) -> None:
+    def __init__(self, tree_fds: Sequence[int], size: int, depth: int, key_file: str | None = None) -> None:
         self.size = size
         self._workers: list[_Worker] = []
         try:
             for _ in range(size):
-                self._workers.append(_Worker(tree_fds, depth))
+                self._workers.append(_Worker(tree_fds, depth, key_file))
         except BaseException:
             self._kill_all()
             raise
@@ -443,6 +492,20 @@ _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(CheckAnswer)
 
 
+def _worker_modules() -> list[ModuleType]:
+    """The modules whose directories a worker imports from: kvtier's dependencies for checking
+    (and the codec libraries this process has, for coded files)."""
+    import numpy
+
+    modules = [msgspec, xxhash, numpy]
+    for name in ("zstandard", "cryptography"):
+        try:
+            modules.append(importlib.import_module(name))
+        except ImportError:
+            pass
+    return modules
+
+
 # ------------------------------------------------------------------------------------------------
 # The worker process
 # ------------------------------------------------------------------------------------------------
@@ -450,11 +513,13 @@ _DECODER = msgspec.msgpack.Decoder(CheckAnswer)
 
 def worker_main(argv: list[str]) -> None:
     """A verify worker: ``argv`` = [the tree descriptors, comma separated; the parent's pid;
-    reads in flight (:class:`Checker`'s ``depth``)]. Answers :data:`_STARTED` at once, then each
+    reads in flight (:class:`Checker`'s ``depth``)]; the key file's path, if any, in the environment
+    (:data:`KEY_FILE_ENV`). Answers :data:`_STARTED` at once, then each
     :class:`CheckRequest` frame on stdin with a :class:`CheckAnswer` frame on stdout, in order
     (a request is answered once all its files are checked, while the next is read); exits at the
     end of stdin, or when its parent dies."""
     tree_fds, parent, depth = [int(fd) for fd in argv[0].split(",")], int(argv[1]), int(argv[2])
+    key_file = os.environ.get(KEY_FILE_ENV) or None
     die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the parent's to handle
     decoder = msgspec.msgpack.Decoder(CheckRequest)
@@ -470,7 +535,7 @@ def worker_main(argv: list[str]) -> None:
         os._exit(3)
 
     answer(_STARTED.id, [])
-    checker = Checker(depth, on_error=die)
+    checker = Checker(depth, on_error=die, key_file=key_file)
     for request in requests(decoder, max_bytes=_MAX_REQUEST_BYTES):
         checker.submit(tree_fds[request.tree], request.slot_bytes, request.files,
                        functools.partial(answer, request.id))

@@ -40,6 +40,39 @@ identity layout, or an unknown version), ``old_version``, ``checksum``, ``wrong_
 ``unverified`` and ``not_regular`` (a symbolic link or special file where a chunk should be;
 decided by the tier that opened it).
 
+Format version 3: coded chunks (compressed and/or encrypted; :mod:`kvtier.tiers.codec` writes
+and reads them; a tier writes them only when its ``compression`` or ``encryption`` option is on)::
+
+    offset 0                      stored bytes: ``length`` (L) bytes, the payload after the codecs
+                                  (zstd of the slot, of its byte planes, or the slot itself;
+                                  then, with AES-GCM, its ciphertext with the 16-byte tag last)
+    offset L                      zero padding up to the next multiple of TRAILER_PAGE (P = padded L)
+    offset P                      trailer page: zero except its last 160 bytes
+    offset P + 3936               identity: 128 bytes, struct ``<32sH64sQI12sH4x``: run, key_len and
+                                  key as in version 2, then
+                                      slot_bytes u64  the decoded length (the host slot's size)
+                                      key_id     u32  the encryption key's id (0 when not encrypted)
+                                      nonce      12 bytes: the AES-GCM nonce (zero when not encrypted)
+                                      flags      u16  the tail's flags again (so the associated
+                                                      data below covers how to decode)
+                                      reserved   4 zero bytes
+    offset P + 4064               tail: as in version 2, with version 3, ``flags`` (a set of
+                                  :data:`FLAG_ZSTD`, :data:`FLAG_BYTE_PLANES`, :data:`FLAG_AES_GCM`;
+                                  never empty), ``length`` = L, ``checksum`` = xxh3-64 of the
+                                  stored bytes
+    total file size = P + TRAILER_PAGE  (:func:`coded_file_size`)
+
+A writer stores a chunk compressed only when the whole file comes out smaller than ``slot_bytes``,
+and an encrypted uncompressed chunk is ``slot_bytes + 2 * TRAILER_PAGE``: a coded file's size is
+never a version-2 or raw size (:func:`is_plain_size`), so the size alone routes a read. The
+AES-GCM associated data is the whole 128-byte identity, so a file under another chunk's name, in
+another run, or with its key id, nonce or flags altered fails to decrypt. :func:`check_coded` verifies
+everything but the codecs (layout, zero padding, identity, checksum); version-3 reasons beyond
+version 2's: ``undecryptable`` (the GCM tag does not verify: wrong key or tampering), ``no_key``
+(the key id is not available to the reader, or the reader has no encryption), ``codec``
+(compressed data that does not decode to exactly the slot) and ``unencrypted`` (a plain chunk
+read by a tier that encrypts: not authentic there).
+
 This module is pure (no I/O): the filesystem tier and the object tier both use it.
 """
 
@@ -70,6 +103,19 @@ __all__ = [
     "recorded_length",
     "verify",
     "REJECT_REASONS",
+    "FORMAT_VERSION_CODED",
+    "FLAG_ZSTD",
+    "FLAG_BYTE_PLANES",
+    "FLAG_AES_GCM",
+    "GCM_NONCE_BYTES",
+    "GCM_TAG_BYTES",
+    "CodedHeader",
+    "coded_identity",
+    "coded_file_size",
+    "is_plain_size",
+    "write_coded_trailer",
+    "check_coded",
+    "recorded_slot_bytes",
 ]
 
 MAGIC = b"KVTR"
@@ -85,9 +131,20 @@ RUN_FINGERPRINT_BYTES = 32
 #: Every reason a stored chunk can be rejected for (the label values of the rejection counters).
 REJECT_REASONS: tuple[str, ...] = (
     "short", "long", "bad_trailer", "old_version", "checksum", "wrong_chunk", "unverified", "not_regular",
+    "undecryptable", "no_key", "codec", "unencrypted",
 )
+FORMAT_VERSION_CODED = 3
+FLAG_ZSTD = 0x1  # the stored bytes (after decryption) are one zstd frame
+FLAG_BYTE_PLANES = 0x2  # the zstd frame holds the slot's byte planes (only with FLAG_ZSTD)
+FLAG_AES_GCM = 0x4  # the stored bytes are AES-256-GCM ciphertext, tag last
+_KNOWN_FLAGS = FLAG_ZSTD | FLAG_BYTE_PLANES | FLAG_AES_GCM
+GCM_NONCE_BYTES = 12
+GCM_TAG_BYTES = 16
+_CODED_IDENTITY = struct.Struct("<32sH64sQI12sH4x")
+#: The identity bytes both versions share (run, key_len, key): the rest is version 3's fields.
+_NAME_BYTES = 32 + 2 + 64
 
-assert TAIL_SIZE == 32 and IDENTITY_SIZE == 128
+assert TAIL_SIZE == 32 and IDENTITY_SIZE == 128 and _CODED_IDENTITY.size == 128
 
 
 class SizeClass(enum.Enum):
@@ -220,3 +277,113 @@ def verify(payload: memoryview | bytes, trailer_page: memoryview | bytes | bytea
     if digest != _xxh3_64(payload):  # checksum(), without its frame
         return _REJECTED["checksum"]
     return ACCEPTED_VERIFIED
+
+
+# ------------------------------------------------------------------------------------------------
+# Format version 3 (coded chunks)
+# ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class CodedHeader:
+    """What a version-3 trailer records (see the module docstring); ``identity`` is its 128 bytes,
+    the associated data of an encrypted chunk."""
+
+    flags: int
+    length: int
+    key_id: int
+    nonce: bytes
+    identity: bytes
+
+
+def coded_identity(chunk_identity: bytes, slot_bytes: int, flags: int, key_id: int = 0,
+                   nonce: bytes = bytes(GCM_NONCE_BYTES)) -> bytes:
+    """The version-3 identity of the chunk whose version-2 identity is ``chunk_identity``
+    (:func:`identity`): the same name, plus the slot length, key id, nonce and flags."""
+    if len(chunk_identity) != IDENTITY_SIZE or len(nonce) != GCM_NONCE_BYTES:
+        raise ValueError("identity must be 128 bytes and nonce 12 bytes")
+    return _CODED_IDENTITY.pack(chunk_identity[:32], int.from_bytes(chunk_identity[32:34], "little"),
+                                chunk_identity[34:_NAME_BYTES], slot_bytes, key_id, nonce, flags)
+
+
+def coded_file_size(stored_length: int) -> int:
+    """Size of a version-3 file whose stored bytes are ``stored_length`` long."""
+    return -(-stored_length // TRAILER_PAGE) * TRAILER_PAGE + TRAILER_PAGE
+
+
+def is_plain_size(size: int, slot_bytes: int) -> bool:
+    """Whether ``size`` is a version-2 (trailered) or raw chunk size; every other size can only
+    be a version-3 file (or a damaged one)."""
+    return size == slot_bytes or size == slot_bytes + TRAILER_PAGE
+
+
+def write_coded_trailer(page: memoryview | bytearray, stored: memoryview | bytes, identity_v3: bytes, flags: int) -> None:
+    """Write the version-3 trailer (``identity_v3`` from :func:`coded_identity`, then the tail for
+    ``stored``) into the last :data:`TRAILER_SIZE` bytes of ``page``; the rest is left as it is."""
+    end = len(page)
+    page[end - TRAILER_SIZE : end - TAIL_SIZE] = identity_v3
+    _TAIL.pack_into(page, end - TAIL_SIZE, MAGIC, FORMAT_VERSION_CODED, flags, len(stored), _xxh3_64(stored))
+
+
+_ZEROS = bytes(2 * TRAILER_PAGE)
+
+
+def check_coded(file_image: memoryview | bytes, chunk_identity: bytes, slot_bytes: int) -> CodedHeader | Verdict:
+    """Check that ``file_image`` (a whole stored file) is a version-3 file of chunk
+    ``chunk_identity`` (its version-2 identity) for a ``slot_bytes`` slot, with intact stored
+    bytes: size, tail, flags, zero padding, identity, slot length and checksum. Returns the header
+    (the caller then decrypts and decodes ``file_image[:header.length]``) or a rejection. Does not
+    look at the codecs: authenticity is the decryption's job. Never raises for malformed input.
+    """
+    view = memoryview(file_image)
+    n = len(view)
+    plain = slot_bytes + TRAILER_PAGE
+    if n < 2 * TRAILER_PAGE or n % TRAILER_PAGE:
+        return _REJECTED["short" if n < plain else "long"]
+    if n > slot_bytes + 2 * TRAILER_PAGE:
+        return _REJECTED["long"]
+    magic, version, flags, length, digest = _TAIL.unpack_from(view, n - TAIL_SIZE)
+    if magic != MAGIC or bytes(view[n - 8 : n]) != _ZEROS[:8]:
+        return _REJECTED["bad_trailer"]
+    if version != FORMAT_VERSION_CODED:
+        if version < FORMAT_VERSION:
+            return _REJECTED["old_version"]
+        if version == FORMAT_VERSION:  # a version-2 trailer on a file of the wrong size
+            return _REJECTED["short" if n < plain else "long"]
+        return _REJECTED["bad_trailer"]
+    if (not flags or flags & ~_KNOWN_FLAGS or (flags & FLAG_BYTE_PLANES and not flags & FLAG_ZSTD)
+            or coded_file_size(length) != n):
+        return _REJECTED["bad_trailer"]
+    if flags & FLAG_AES_GCM and length < GCM_TAG_BYTES:
+        return _REJECTED["bad_trailer"]
+    trailer_at = n - TRAILER_SIZE
+    _run, _key_len, _key, slot, key_id, nonce, copied_flags = _CODED_IDENTITY.unpack_from(view, trailer_at)
+    ident = bytes(view[trailer_at : n - TAIL_SIZE])
+    if ident[_NAME_BYTES + 26 :] != _ZEROS[:4] or copied_flags != flags:
+        return _REJECTED["bad_trailer"]
+    if ident[:_NAME_BYTES] != chunk_identity[:_NAME_BYTES] or slot != slot_bytes:
+        return _REJECTED["wrong_chunk"]
+    if not flags & FLAG_AES_GCM and (key_id or nonce != _ZEROS[:GCM_NONCE_BYTES]):
+        return _REJECTED["bad_trailer"]
+    if bytes(view[length:trailer_at]) != _ZEROS[: trailer_at - length]:
+        return _REJECTED["bad_trailer"]
+    if digest != _xxh3_64(view[:length]):
+        return _REJECTED["checksum"]
+    return CodedHeader(flags, length, key_id, nonce, ident)
+
+
+def recorded_slot_bytes(trailer: bytes | memoryview, size: int) -> int | None:
+    """The slot size a stored chunk of ``size`` bytes records (``trailer``: its last
+    :data:`TRAILER_SIZE` bytes): a version-2 file's payload length when it matches its size, a
+    version-3 file's slot length when its stored length matches its size; None otherwise. Nothing
+    else is checked: this tells a tree's slot size from one file, it does not verify the file."""
+    if len(trailer) != TRAILER_SIZE:
+        return None
+    magic, version, _flags, length, _digest = _TAIL.unpack_from(trailer, IDENTITY_SIZE)
+    if magic != MAGIC:
+        return None
+    if version == FORMAT_VERSION:
+        return length if length == size - TRAILER_PAGE else None
+    if version == FORMAT_VERSION_CODED and coded_file_size(length) == size:
+        slot = _CODED_IDENTITY.unpack_from(trailer, 0)[3]
+        return slot if slot > 0 and slot % TRAILER_PAGE == 0 else None
+    return None

@@ -63,6 +63,15 @@ default warning filters); the one ``transport.write`` it warns about is cheaper 
 the ``BytesIO`` route makes.
 ``benchmarks/obj_tier.py`` measures the store path against a raw PUT of the same bytes.
 
+Compression and encryption (the ``compression`` / ``encryption`` options, :mod:`kvtier.tiers.codec`):
+a store encodes the slot into the whole object (format version 3 of
+:mod:`kvtier.tiers.integrity` when a codec applies) and PUTs that; a load reads the size first
+(``ContentLength``): a plain size is read as above, any other loadable size is downloaded whole
+and decoded into the slot. A tier that encrypts refuses plain objects without downloading them
+(``unencrypted``). Objects refused for ``unencrypted`` or ``no_key`` (an encrypted chunk whose
+key this tier lacks) are left in place, like trailer-less ones: they are another configuration's,
+not damaged, and the next store of the chunk overwrites them.
+
 The client is given a fixed ``User-Agent`` (:func:`_user_agent`, built at open) because
 botocore otherwise rebuilds its structured user-agent string, character by character, twice per
 request.
@@ -87,6 +96,7 @@ from kvtier.config.tiers import tier_option
 from kvtier.errors import ConfigError
 from kvtier.layout import Namespace, namespace
 from kvtier.tiers.base import SecondaryTier, TierContext
+from kvtier.tiers.codec import ChunkCodec, is_coded_file_size, is_plain_file_size
 from kvtier.tiers.errors import ChunkCorrupt, ChunkNotFound, TierIOError
 from kvtier.tiers.integrity import (
     REJECT_REASONS,
@@ -290,7 +300,7 @@ class ObjectStoreTier(SecondaryTier):
     Options (``config.options``): ``store_config`` {``bucket``, ``endpoint_override``, ``scheme``,
     ``access_key``, ``secret_key``, ``session_token``, ``region``, ``ca_bundle``}, ``prefix``,
     ``io_threads`` (4), ``request_timeout_s`` (10), ``lookup_timeout_s`` (5), ``accept_unverified_chunks``
-    (False).
+    (False), ``compression`` and ``encryption`` (None; :mod:`kvtier.tiers.codec`).
     """
 
     tier_type: ClassVar[str] = "obj"
@@ -330,12 +340,18 @@ class ObjectStoreTier(SecondaryTier):
         tunables.setdefault("max_concurrent_loads", self.io_threads)
         tunables.setdefault("max_concurrent_stores", self.io_threads)
         tunables.setdefault("lookup_timeout_s", float(tier_option(config, "lookup_timeout_s")))
+        geometry_dtype = getattr(context.geometry, "dtype", None) or "fp8"  # no geometry: lookup-only tests
+        self.codec = ChunkCodec.from_options(tier_option(config, "compression"), tier_option(config, "encryption"),
+                                             dtype=geometry_dtype, slot_bytes=context.slot_bytes, where=f"{where}.")
         super().__init__(config, context, **tunables)
         self.namespace: Namespace = namespace(self.prefix, context.run_fields, context.rank)
         self.breaker = CircuitBreaker(self.breaker_threshold, self.breaker_open_s)
         self._client: Any = None
         self._exit_stack: contextlib.AsyncExitStack | None = None
         self._head_limiter = anyio.CapacityLimiter(self.io_threads)
+        # Encoding and decoding (zstd, AES-GCM: both release the GIL) run on worker threads, never
+        # on the event loop: a compressed 512 KiB chunk is a millisecond of CPU.
+        self._codec_limiter = anyio.CapacityLimiter(self.io_threads)
         self._rejected = self.add_metric(
             "obj_rejected_chunks", "counter",
             "Objects refused on load (and deleted, except trailer-less ones), by reason.",
@@ -442,7 +458,7 @@ class ObjectStoreTier(SecondaryTier):
         """HEAD every key concurrently (at most ``io_threads`` at once).
 
         A key is present when its object exists with a loadable size (trailered, or raw with
-        ``accept_unverified_chunks``). Any
+        ``accept_unverified_chunks``, neither on a tier that encrypts; or a coded size). Any
         other failure of a HEAD makes the whole batch fail with that error (the base then answers
         MISS for all keys and counts it), so an outage never turns into a stale HIT.
         """
@@ -456,9 +472,7 @@ class ObjectStoreTier(SecondaryTier):
                     response = await self._request(
                         lambda: self._client.head_object(Bucket=self.bucket, Key=self.object_key(key)),
                         timeout=deadline_s, what="lookup")
-                size = classify_size(int(response.get("ContentLength", -1)), self.context.slot_bytes)
-                present[i] = size is SizeClass.TRAILERED or (
-                    size is SizeClass.RAW and self.accept_unverified_chunks)
+                present[i] = self._loadable_size(int(response.get("ContentLength", -1)))
             except ChunkNotFound:
                 present[i] = False
             except Exception as exc:  # kept so one failure does not become an ExceptionGroup
@@ -472,11 +486,30 @@ class ObjectStoreTier(SecondaryTier):
             raise first_error[0]
         return present
 
+    def _loadable_size(self, size: int) -> bool:
+        """Whether an object of ``size`` bytes may be a chunk this tier can load (by size alone)."""
+        slot_bytes = self.context.slot_bytes
+        if is_plain_file_size(size, slot_bytes):
+            return not self.codec.encrypts and (size != slot_bytes or self.accept_unverified_chunks)
+        return is_coded_file_size(size, slot_bytes)
+
+    def _encode(self, key: bytes, src: memoryview) -> bytearray:
+        """The object the codec makes of slot ``src`` as chunk ``key`` (a worker thread's job)."""
+        body = bytearray(self.codec.max_file_bytes)
+        with memoryview(body) as out:
+            n = self.codec.encode_into(src, self._identity(key), out)
+        del body[n:]
+        return body
+
     async def write(self, key: bytes, src: memoryview) -> None:
-        """PUT the slot bytes plus the trailer page under :meth:`object_key` (S3 PUTs are atomic)."""
+        """PUT the slot bytes plus the trailer page (or the codec's object) under
+        :meth:`object_key` (S3 PUTs are atomic)."""
         # One join into a bytearray, never bytes: botocore would wrap bytes in a BytesIO, which
         # costs three more copies and an Expect: 100-continue round trip (see the module docstring).
-        body = bytearray().join((src, make_trailer_page(src, self._identity(key))))
+        if self.codec.active:
+            body = await anyio.to_thread.run_sync(self._encode, key, src, limiter=self._codec_limiter)
+        else:
+            body = bytearray().join((src, make_trailer_page(src, self._identity(key))))
         name = self.object_key(key)
         await self._request(lambda: self._client.put_object(Bucket=self.bucket, Key=name, Body=body),
                             timeout=self.request_timeout_s, what="store")
@@ -486,15 +519,22 @@ class ObjectStoreTier(SecondaryTier):
         name = self.object_key(key)
         slot_bytes = len(dst)
         trailer = bytearray(TRAILER_PAGE)
+        coded: list[bytearray] = []  # the whole object, when it is not a plain one
 
         async def get() -> SizeClass:
             response = await self._client.get_object(Bucket=self.bucket, Key=name)
             body = response["Body"]
             try:
-                size = classify_size(int(response.get("ContentLength", -1)), slot_bytes)
+                length = int(response.get("ContentLength", -1))
+                if is_coded_file_size(length, slot_bytes):
+                    image = bytearray(length)
+                    await _read_exactly(body, memoryview(image))
+                    coded.append(image)
+                    return SizeClass.TRAILERED
+                size = classify_size(length, slot_bytes)
                 if size in (SizeClass.SHORT, SizeClass.LONG):
                     return size
-                if size is SizeClass.RAW and not self.accept_unverified_chunks:
+                if self.codec.encrypts or (size is SizeClass.RAW and not self.accept_unverified_chunks):
                     return size  # refused below without downloading it
                 await _read_exactly(body, dst)
                 if size is SizeClass.TRAILERED:
@@ -504,8 +544,14 @@ class ObjectStoreTier(SecondaryTier):
                 body.close()
 
         size = await self._request(get, timeout=self.request_timeout_s, what="load")
-        if size in (SizeClass.SHORT, SizeClass.LONG):
-            reason: str | None = size.value
+        if coded:
+            verdict = await anyio.to_thread.run_sync(self.codec.decode_into, memoryview(coded[0]), self._identity(key),
+                                                     dst, limiter=self._codec_limiter)
+            reason: str | None = verdict.reason
+        elif size in (SizeClass.SHORT, SizeClass.LONG):
+            reason = size.value
+        elif self.codec.encrypts:
+            reason = "unencrypted"
         else:
             reason = verify(dst, trailer if size is SizeClass.TRAILERED else None, self._identity(key),
                             accept_unverified=self.accept_unverified_chunks).reason
@@ -517,6 +563,8 @@ class ObjectStoreTier(SecondaryTier):
         dst[:] = bytes(len(dst))  # never leave bytes that failed verification in a host slot
         if reason == "unverified":  # not ours to delete: vLLM may be using it
             raise ChunkNotFound(f"object {name} has no trailer; refused (accept_unverified_chunks is off)")
+        if reason in ("unencrypted", "no_key"):  # another configuration's, not damaged: the next store overwrites it
+            raise ChunkNotFound(f"object {name} refused ({reason}); left in place")
         logger.warning("tier %s: object %s rejected (%s); deleting it", self.label, name, reason)
         try:
             await self.delete(key)

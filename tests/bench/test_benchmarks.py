@@ -43,6 +43,10 @@ RUNS: dict[str, tuple[list[str], list[str]]] = {
     "p2p_tier.py": (["--tiny"], ["raw GiB/s", "256 KiB", "2 MiB"]),
     "hybrid_windows.py": (["--quick", "--threads", "1"],
                           ["full-attention twin", "hybrid, window 64", "twin / hybrid:", "bytes per hit token"]),
+    "compression.py": (
+        ["--prompts", "1", "--blocks", "1", "--levels", "1", "--repeats", "1", "--jobs", "1", "--threads", "1"],
+        ["zstd-1+planes", "aes-gcm", "stored/payload", "fs tier, 1 x 64 chunks", "x plain"],
+    ),
     "verify.py": (
         ["--chunks", "16", "--chunk-kib", "64", "--trials", "2", "--passes", "1", "--readers", "2"],
         ["16 chunk files x 64 KiB", "raw GiB/s", "verify GiB/s", "median", "target ratio >= 0.8"],

@@ -95,7 +95,7 @@ def test_bad_modes_are_refused(key: str, value: Any, words: str) -> None:
 def test_codec_keys_fill_their_defaults(tier: dict[str, Any]) -> None:
     options = EngineConfig.from_dict(tiering(**tier, compression={}, encryption={"key_file": "/k", "key_id": 3})
                                      ).secondary_tiers[0].options
-    assert dict(options["compression"]) == {"codec": "zstd", "level": 3, "transform": "byte_planes"}
+    assert dict(options["compression"]) == {"codec": "zstd", "level": 1, "transform": "byte_planes"}
     assert dict(options["encryption"]) == {"key_file": "/k", "key_id": 3}
 
 
@@ -106,7 +106,7 @@ def test_codec_keys_fill_their_defaults(tier: dict[str, Any]) -> None:
     ("compression", {"levle": 3}, "did you mean 'level'"),
     ("encryption", {"key_id": 1}, "encryption.key_file"),
     ("encryption", {"key_file": "/k"}, "encryption.key_id"),
-    ("encryption", {"key_file": "/k", "key_id": -1}, "encryption.key_id"),
+    ("encryption", {"key_file": "/k", "key_id": 0}, "encryption.key_id"),
     ("encryption", {"key": "00" * 32, "key_file": "/k", "key_id": 1}, "unknown key"),
 ])
 def test_bad_codec_values_are_refused(section: str, value: Any, words: str) -> None:

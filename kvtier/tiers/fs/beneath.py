@@ -30,6 +30,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from kvtier.tiers.fs.modes import PRIVATE, Modes
+
 __all__ = [
     "UnsafeEntry",
     "open_file",
@@ -144,7 +146,7 @@ def _walk_open(dir_fd: int, relpath: str, flags: int, mode: int) -> int:
             os.close(fd)
 
 
-def _open_beneath(dir_fd: int, relpath: str, flags: int, mode: int = 0o644) -> int:
+def _open_beneath(dir_fd: int, relpath: str, flags: int, mode: int = 0o600) -> int:
     """Open ``relpath`` beneath ``dir_fd`` with ``flags`` (``O_NOFOLLOW | O_CLOEXEC`` added):
     :class:`UnsafeEntry` for a link, a non-directory on the way or an escape."""
     prepared = _openat2_state.get((flags, mode, False))
@@ -197,11 +199,12 @@ def _prepare(flags: int, mode: int, cached_only: bool) -> _Opener:
     return prepared
 
 
-def open_file(dir_fd: int, relpath: str, flags: int, mode: int = 0o644, *, regular_only: bool = True,
+def open_file(dir_fd: int, relpath: str, flags: int, mode: int = 0o600, *, regular_only: bool = True,
               cached_only: bool = False) -> int:
     """Open the regular file ``relpath`` beneath ``dir_fd``; return its descriptor.
 
-    ``flags`` are ``os.open`` flags (``O_NOFOLLOW``, ``O_CLOEXEC`` and ``O_NONBLOCK`` are added).
+    ``flags`` are ``os.open`` flags (``O_NOFOLLOW``, ``O_CLOEXEC`` and ``O_NONBLOCK`` are added);
+    ``mode`` is the new file's with ``O_CREAT`` (less the umask, as ``open`` does).
     Raises :class:`UnsafeEntry` for a symbolic link at any level, a non-directory on the way or
     anything but a regular file at the end (checked with ``fstat`` after opening, which never
     blocks); ``FileNotFoundError`` and other ``OSError`` as ``open`` does.
@@ -230,24 +233,26 @@ def open_file(dir_fd: int, relpath: str, flags: int, mode: int = 0o644, *, regul
     return fd  # O_NONBLOCK changes nothing for a regular file's reads and writes
 
 
-def open_dir(dir_fd: int, relpath: str, *, create: bool = False) -> int:
+def open_dir(dir_fd: int, relpath: str, *, create: bool = False, modes: Modes = PRIVATE) -> int:
     """Open directory ``relpath`` beneath ``dir_fd`` (``""`` opens ``dir_fd`` itself again).
 
-    With ``create``, missing directories on the way are made (mode 0o755; a concurrent creator
-    is not an error). Raises :class:`UnsafeEntry` when a component is a symbolic link or not a
-    directory (``relpath`` of the exception is then the whole path asked for).
+    With ``create``, missing directories on the way are made with ``modes.dir`` (owner-only by
+    default; see :class:`~kvtier.tiers.fs.modes.Modes`; a concurrent creator is not an error).
+    Raises :class:`UnsafeEntry` when a component is a symbolic link or not a directory
+    (``relpath`` of the exception is then the whole path asked for).
     """
     if not relpath:
         return os.open(".", _DIR_FLAGS, dir_fd=dir_fd)
     if create:
-        return open_or_make_dir(dir_fd, relpath)[0]
+        return open_or_make_dir(dir_fd, relpath, modes)[0]
     return _open_beneath(dir_fd, relpath, _DIR_FLAGS)
 
 
-def open_or_make_dir(dir_fd: int, relpath: str) -> tuple[int, bool]:
+def open_or_make_dir(dir_fd: int, relpath: str, modes: Modes = PRIVATE) -> tuple[int, bool]:
     """:func:`open_dir` with ``create=True`` (``relpath`` not empty), and whether this call made
     the last directory of ``relpath`` (it was then empty a moment ago; another process may
-    write into it since)."""
+    write into it since). Directories this call makes get exactly ``modes.dir``; existing ones
+    are left as they are."""
     try:
         return _open_beneath(dir_fd, relpath, _DIR_FLAGS), False
     except FileNotFoundError:
@@ -260,7 +265,7 @@ def open_or_make_dir(dir_fd: int, relpath: str) -> tuple[int, bool]:
     try:
         for part in _components(relpath):
             try:
-                os.mkdir(part, 0o755, dir_fd=fd)
+                os.mkdir(part, modes.dir, dir_fd=fd)
                 made = True
             except FileExistsError:
                 made = False
@@ -273,6 +278,8 @@ def open_or_make_dir(dir_fd: int, relpath: str) -> tuple[int, bool]:
             if fd != dir_fd:
                 os.close(fd)
             fd = next_fd
+            if made:  # what was opened is the directory just made (a swap would be a link: refused)
+                modes.settle_dir(fd)
     except BaseException:
         if fd != dir_fd:
             os.close(fd)

@@ -17,6 +17,9 @@ temporary file, and a crash leaves at most a stray ``.tmp`` file, which the fs t
 (:func:`kvtier.tiers.fs.scan.walk_tops`) removes once it is older than a grace period. No
 ``fsync``: chunks are a cache, losing the last ones on power failure only costs a recompute, and
 the trailer check catches torn pages.
+
+Modes (:mod:`kvtier.tiers.fs.modes`): a chunk file, its temporary and every directory a write
+makes get exactly the modes given (owner-only by default) whatever the umask.
 """
 
 from __future__ import annotations
@@ -29,10 +32,14 @@ import stat
 import sys
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtier.tiers.fs import beneath, tree
 from kvtier.tiers.fs.beneath import UnsafeEntry
+from kvtier.tiers.fs.modes import PRIVATE, Modes
 from kvtier.tiers.integrity import (
+    MAGIC,
+    TAIL_SIZE,
     TRAILER_PAGE,
     SizeClass,
     Verdict,
@@ -41,12 +48,18 @@ from kvtier.tiers.integrity import (
     verify,
 )
 
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtier.tiers.codec import ChunkCodec
+
 __all__ = [
     "probe_o_direct",
     "write_chunk",
+    "write_image",
     "trailer_page",
     "read_chunk",
     "load_chunk",
+    "CodedVerdict",
+    "image_buffer",
     "ReadOutcome",
     "remove_file",
     "in_memory_fs",
@@ -100,16 +113,28 @@ def trailer_page() -> memoryview:
     return page
 
 
+def image_buffer(nbytes: int) -> memoryview:
+    """This thread's page-aligned buffer of at least ``nbytes`` bytes, for a whole chunk file
+    image: a coded store encodes into it (``O_DIRECT`` writes it as it is), a coded load copies
+    the file there to decode it into the slot. Kept for the thread's life (grown when asked for
+    more); valid until this thread asks again."""
+    image = getattr(_scratch, "image", None)
+    if image is None or len(image) < nbytes:
+        _scratch.image_mapping = mmap.mmap(-1, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
+        image = _scratch.image = memoryview(_scratch.image_mapping)
+    return image
+
+
 def probe_o_direct(dir_fd: int) -> bool:
     """Whether the filesystem of directory ``dir_fd`` accepts an aligned ``O_DIRECT`` write
     (tmpfs, overlayfs and some NFS mounts do not). Writes and deletes one hidden probe file
-    (:func:`kvtier.tiers.fs.tree.probe_name`); one left by a crash is swept by the start-up scan
-    (:mod:`kvtier.tiers.fs.scan`)."""
+    (:func:`kvtier.tiers.fs.tree.probe_name`, owner-only); one left by a crash is swept by the
+    start-up scan (:mod:`kvtier.tiers.fs.scan`)."""
     if not _O_DIRECT:
         return False
     name = tree.probe_name()
     try:
-        fd = beneath.open_file(dir_fd, name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_DIRECT)
+        fd = beneath.open_file(dir_fd, name, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _O_DIRECT, 0o600)
     except OSError:
         return False
     try:
@@ -126,7 +151,7 @@ def probe_o_direct(dir_fd: int) -> bool:
 
 
 def write_chunk(dir_fd: int, relpath: str, payload: memoryview, trailer: bytes | memoryview, *,
-                o_direct: bool) -> int:
+                o_direct: bool, modes: Modes = PRIVATE) -> int:
     """Publish ``payload`` + ``trailer`` (a trailer page) at ``relpath`` beneath ``dir_fd``
     atomically; return the bytes written. ``trailer`` may be this thread's :func:`trailer_page`
     (written as it is) or any bytes (copied into an aligned page first).
@@ -134,15 +159,33 @@ def write_chunk(dir_fd: int, relpath: str, payload: memoryview, trailer: bytes |
     Returns 0 without writing when a regular file of exactly that size is already there
     (content-addressed: it is the same chunk, and a load verifies it); anything else at the name
     (a file of another size, such as a trailer-less vLLM one, a link, a pipe) is replaced.
-    Creates missing parent directories. Raises :class:`UnsafeEntry` when a directory on the way is
-    a link or not a directory. On any error no temporary file remains and the ``OSError``
-    propagates; a write the disk cannot complete raises ``OSError(ENOSPC)`` (or the error the
-    kernel gave). With ``o_direct`` the payload must be page aligned with a page-multiple length
-    (host slots are).
+    Creates missing parent directories. The file (and every directory made) gets exactly the
+    mode of ``modes`` (see :mod:`kvtier.tiers.fs.modes`). Raises :class:`UnsafeEntry` when a
+    directory on the way is a link or not a directory. On any error no temporary file remains and
+    the ``OSError`` propagates; a write the disk cannot complete raises ``OSError(ENOSPC)`` (or the
+    error the kernel gave). With ``o_direct`` the payload must be page aligned with a page-multiple
+    length (host slots are).
     """
+    if trailer is getattr(_scratch, "trailer", None):
+        tail = trailer
+    else:
+        tail = _scratch_page()[TRAILER_PAGE - len(trailer) :]
+        tail[:] = trailer
+    return _publish(dir_fd, relpath, [payload, tail], len(payload) + len(tail), o_direct, modes)
+
+
+def write_image(dir_fd: int, relpath: str, image: memoryview, *, o_direct: bool, modes: Modes = PRIVATE) -> int:
+    """Publish ``image``, a whole chunk file (a coded chunk with its trailer page), at ``relpath``
+    beneath ``dir_fd``: :func:`write_chunk` for a file built beforehand. With ``o_direct``,
+    ``image`` must be page aligned with a page-multiple length."""
+    return _publish(dir_fd, relpath, [image], len(image), o_direct, modes)
+
+
+def _publish(dir_fd: int, relpath: str, buffers: list[memoryview], total: int, o_direct: bool, modes: Modes) -> int:
+    """Write ``buffers`` (``total`` bytes) to a temporary file and rename it to ``relpath``
+    (see :func:`write_chunk`)."""
     head, _, name = relpath.rpartition("/")
-    total = len(payload) + len(trailer)
-    parent, made = beneath.open_or_make_dir(dir_fd, head) if head else (beneath.open_dir(dir_fd, ""), False)
+    parent, made = beneath.open_or_make_dir(dir_fd, head, modes) if head else (beneath.open_dir(dir_fd, ""), False)
     try:
         # A directory this call made holds nothing to keep or check: no lookup of the name.
         st = None
@@ -158,15 +201,12 @@ def write_chunk(dir_fd: int, relpath: str, payload: memoryview, trailer: bytes |
                 raise UnsafeEntry(relpath, "a directory where a chunk file belongs")
         tmp = tree.chunk_tmp_name(name)
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-                     | (_O_DIRECT if o_direct else 0), 0o644, dir_fd=parent)
+                     | (_O_DIRECT if o_direct else 0), modes.file, dir_fd=parent)
         try:
             try:
-                if trailer is getattr(_scratch, "trailer", None):
-                    tail = trailer
-                else:
-                    tail = _scratch_page()[TRAILER_PAGE - len(trailer) :]
-                    tail[:] = trailer
-                _write_fully(fd, payload, tail, o_direct)
+                if modes.fix_file:
+                    modes.settle_file(fd)
+                _write_fully(fd, buffers, total, o_direct)
             finally:
                 os.close(fd)
             try:
@@ -184,20 +224,25 @@ def write_chunk(dir_fd: int, relpath: str, payload: memoryview, trailer: bytes |
         os.close(parent)
 
 
-def _write_fully(fd: int, payload: memoryview, tail: memoryview, o_direct: bool) -> None:
-    """``pwritev`` both buffers at offset 0 until all bytes are written.
+def _write_fully(fd: int, buffers: list[memoryview], total: int, o_direct: bool) -> None:
+    """``pwritev`` ``buffers`` (``total`` bytes) at offset 0 until all bytes are written.
 
     A short count means the device is (nearly) full, or a signal cut the call short: the rest is
     written again, so a full disk reports its own error (``ENOSPC``/``EDQUOT``) rather than a
     generic one. A write that makes no progress, or one ``O_DIRECT`` cannot resume (unaligned),
     is ``ENOSPC``: a regular file only comes up short when space runs out.
     """
-    total = len(payload) + len(tail)
-    done = os.pwritev(fd, [payload, tail], 0)
+    done = os.pwritev(fd, buffers, 0)
     while done < total:
         if done <= 0 or (o_direct and done % TRAILER_PAGE):
             raise OSError(errno.ENOSPC, f"short write ({done} of {total} bytes): no space left on device")
-        rest = [payload[done:], tail] if done < len(payload) else [tail[done - len(payload) :]]
+        rest, skip = [], done
+        for buf in buffers:
+            if skip >= len(buf):
+                skip -= len(buf)
+            else:
+                rest.append(buf[skip:])
+                skip = 0
         n = os.pwritev(fd, rest, done)
         if n <= 0:
             raise OSError(errno.ENOSPC, f"short write ({done} of {total} bytes): no space left on device")
@@ -271,8 +316,16 @@ def read_chunk(dir_fd: int, relpath: str, dst: memoryview, *, o_direct: bool) ->
         os.close(fd)
 
 
+@dataclass(frozen=True, slots=True)
+class CodedVerdict(Verdict):
+    """The verdict on a file that :func:`load_chunk` handed to its codec (a coded file, or a
+    plain one an encrypting codec refuses), with the file's size: what it takes on disk."""
+
+    file_size: int = 0
+
+
 def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes, *, o_direct: bool,
-               accept_unverified: bool = False, nowait: bool = False) -> Verdict:
+               accept_unverified: bool = False, nowait: bool = False, codec: ChunkCodec | None = None) -> Verdict:
     """Read the chunk at ``relpath`` into ``dst`` (exactly one slot) and verify that it is chunk
     ``chunk_identity`` (:func:`kvtier.tiers.integrity.identity`) with intact bytes: the tier's
     load hot path, :func:`read_chunk` plus :func:`kvtier.tiers.integrity.verify` in fewer steps.
@@ -283,6 +336,14 @@ def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes
     hold a rejected file's bytes: it is trusted only when ``verdict.ok`` (the tier zeroes it
     otherwise). Rejected files are left in place (the caller decides). Raises ``OSError``
     (``FileNotFoundError`` for a missing file).
+
+    ``codec`` (:class:`kvtier.tiers.codec.ChunkCodec`) reads coded files (format version 3,
+    compressed and/or encrypted): a file whose size is not a plain chunk's (``slot_bytes`` +
+    4096, or ``slot_bytes``) is then copied whole into this thread's :func:`image_buffer` (it was
+    read in the same single ``preadv``: a coded file is at most a slot and two pages) and decoded
+    into ``dst`` by the codec, which returns a :class:`CodedVerdict` (so does a plain file that an
+    encrypting codec refuses). Plain files take the path above, unchanged. Without a codec, other
+    sizes are ``short``/``long`` as ever.
 
     ``nowait`` reads only what the kernel's caches hold (``RESOLVE_CACHED``, ``RWF_NOWAIT``):
     ``BlockingIOError`` when the path or a byte the verdict depends on (the file's first slot and
@@ -317,6 +378,13 @@ def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes
         # "long" however much of it is cached).
         if nowait and n <= slot_bytes + TRAILER_PAGE and os.lseek(fd, 0, os.SEEK_END) != n:
             raise BlockingIOError(errno.EAGAIN, "not all in the page cache", relpath)
+        if codec is not None and n > slot_bytes + TRAILER_PAGE:
+            # A coded file of up to a slot and two pages (encrypted), or part of a longer file.
+            end = os.lseek(fd, 0, os.SEEK_END)
+            if end != n:
+                if nowait and end <= slot_bytes + 2 * TRAILER_PAGE:
+                    raise BlockingIOError(errno.EAGAIN, "not all in the page cache", relpath)
+                return CodedVerdict(False, False, "long" if end > n else "short", end)
     except OSError as exc:
         if exc.errno in (errno.ESPIPE, errno.EISDIR):  # a pipe or a directory under a chunk's name
             return rejected("not_regular")
@@ -328,12 +396,34 @@ def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes
         raise
     finally:
         os.close(fd)
-    if n == slot_bytes + TRAILER_PAGE:
-        return verify(dst, _scratch.page, chunk_identity)
-    if n == slot_bytes:  # a trailer-less file (written by vLLM) of exactly one slot
-        return verify(dst, None, chunk_identity, accept_unverified=accept_unverified)
-    # A file that shrank (or grew) while being read classifies by what was read, like read_chunk.
-    return rejected("short" if n < slot_bytes + TRAILER_PAGE else "long")
+    if codec is None or not codec.encrypts:  # no codec, or one that reads plain chunks as they are
+        if n == slot_bytes + TRAILER_PAGE:
+            return verify(dst, _scratch.page, chunk_identity)
+        if n == slot_bytes:  # a trailer-less file (written by vLLM) of exactly one slot
+            return verify(dst, None, chunk_identity, accept_unverified=accept_unverified)
+        if codec is None:
+            # A file that shrank (or grew) while being read classifies by what was read, like read_chunk.
+            return rejected("short" if n < slot_bytes + TRAILER_PAGE else "long")
+    return _decode(codec, dst, n, chunk_identity, accept_unverified)
+
+
+def _decode(codec: ChunkCodec, dst: memoryview, n: int, chunk_identity: bytes, accept_unverified: bool) -> CodedVerdict:
+    """Decode the ``n``-byte file :func:`load_chunk` read into ``dst`` and this thread's scratch
+    pages: copied whole into :func:`image_buffer` first (the codec's source and target must not
+    overlap), then decoded into ``dst`` (zeroed by the codec on a rejection). A file of neither
+    a plain size nor a kvtier tail is ``short``/``long`` by its size, as without a codec."""
+    slot_bytes = len(dst)
+    image = image_buffer(slot_bytes + 2 * TRAILER_PAGE)
+    head = min(n, slot_bytes)
+    image[:head] = dst[:head]
+    if n > slot_bytes:
+        image[slot_bytes:n] = _scratch.pages[: n - slot_bytes]
+    plain = n == slot_bytes or n == slot_bytes + TRAILER_PAGE
+    if not plain and (n < TAIL_SIZE or image[n - TAIL_SIZE : n - TAIL_SIZE + len(MAGIC)] != MAGIC):
+        dst[:] = bytes(slot_bytes)
+        return CodedVerdict(False, False, "short" if n < slot_bytes + TRAILER_PAGE else "long", n)
+    verdict = codec.decode_into(image[:n], chunk_identity, dst, accept_unverified=accept_unverified)
+    return CodedVerdict(verdict.ok, verdict.verified, verdict.reason, n)
 
 
 def remove_file(dir_fd: int, relpath: str) -> bool:

@@ -30,10 +30,11 @@ import time
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
 
+from kvtier.policies.quotas import DEFAULT_POOL, TenantQuotas
 from kvtier.tiers.errors import TierIOError
 from kvtier.tiers.fs.tree import LEAVES_PER_TOP, MAX_KEY_BYTES, TOPS, leaf_of
 
-__all__ = ["ChunkIndex", "MAX_REMOVAL_RECORDS"]
+__all__ = ["ChunkIndex", "TenantChunkIndex", "MAX_REMOVAL_RECORDS"]
 
 _EMPTY = -1
 _HOT = 0  # slot 0: the hot list's sentinel
@@ -592,3 +593,256 @@ class ChunkIndex:
                 table[i] = slot
                 i = j
         table[i] = _EMPTY
+
+
+_UNLINKED = -2  # in _tprev: the entry is in no pool's list (it is cold, or not linked yet)
+
+
+class TenantChunkIndex(ChunkIndex):
+    """A :class:`ChunkIndex` that charges every chunk to a tenant pool and keeps per-pool budgets
+    (the fs ``tenant_bytes`` option; the rules are :mod:`kvtier.policies.quotas`').
+
+    A chunk is charged to the pool :meth:`note_writers` named for its key when a store job was
+    submitted (its request's tenant), else to ``"default"``: chunks a scan, a probe or a load
+    found are of unknown origin. The pool of each entry costs one byte; each pool's recently used
+    chunks are also chained in a list of their own (two more ints per entry), so a pool's least
+    recently used chunks are found without walking other pools'. Cold chunks (found by the
+    start-up scan, unused since) are all ``"default"``'s and are its least recent.
+
+    :meth:`reserve` applies the budget before the capacity: a pool whose chunk would take it past
+    its budget evicts its own least recent idle chunks, and when they are too few the chunk is
+    refused (``TierIOError("tenant_quota")``, counted per pool) — with free room on the disk or
+    not. Then the room ``max_bytes`` lacks comes from :meth:`TenantQuotas.donors`.
+    :meth:`over_capacity_victims` also brings pools over their budget back to it.
+    """
+
+    #: Store jobs' pools remembered between submission and reservation, at most (the oldest go first:
+    #: a chunk whose entry is gone is charged to ``"default"``).
+    MAX_PENDING_WRITERS = 1 << 16
+
+    def __init__(self, capacity: int | None, quotas: TenantQuotas, *, expected_entries: int = 0) -> None:
+        super().__init__(capacity, expected_entries=expected_entries)
+        self.quotas = quotas
+        size = len(self._klen)
+        self._tenant = bytearray(size)
+        self._tprev = array("i", [_UNLINKED]) * size
+        self._tnext = array("i", [_EMPTY]) * size
+        self._thead = [_EMPTY] * len(quotas)
+        self._ttail = [_EMPTY] * len(quotas)
+        self._charging = DEFAULT_POOL  # the pool new entries are charged to
+        self._writers: dict[bytes, int] = {}
+
+    # ------------------------------------------------------------------ pools
+    def note_writers(self, keys: Iterable[bytes], pool: int) -> None:
+        """Chunks ``keys`` are about to be stored for ``pool`` (a submitted store job)."""
+        if pool == DEFAULT_POOL:
+            return
+        writers = self._writers
+        for key in keys:
+            writers.pop(key, None)
+            writers[key] = pool
+        while len(writers) > self.MAX_PENDING_WRITERS:
+            del writers[next(iter(writers))]
+
+    def pool_of(self, key: bytes) -> int | None:
+        """The pool ``key``'s chunk is charged to, or None when it is not in the index."""
+        slot = self._find(key)
+        return None if slot < 0 else self._tenant[slot]
+
+    def pool_keys(self, pool: int) -> list[bytes]:
+        """``pool``'s keys from least to most recently used (O(n): for tests and tools)."""
+        return [self._key(s) for s in self._pool_order(pool)]
+
+    # ------------------------------------------------------------------ capacity
+    def add(self, key: bytes, size: int, stored_at: float | None = None) -> None:
+        slot = self._find(key)
+        if slot >= 0 and size != self._size[slot]:
+            self.quotas.charge(self._tenant[slot], size - self._size[slot])
+        super().add(key, size, stored_at)
+
+    def reserve(self, key: bytes, size: int, pool: int | None = None) -> list[tuple[bytes, float]]:
+        """:meth:`ChunkIndex.reserve` with the budget of the chunk's pool applied first (see the
+        class docstring); ``pool`` defaults to the writer :meth:`note_writers` recorded."""
+        writer = self._writers.pop(key, DEFAULT_POOL)
+        slot = self._find(key)
+        owner = self._tenant[slot] if slot >= 0 else (writer if pool is None else pool)  # first writer wins
+        growth = size - (self._size[slot] if slot >= 0 else 0)
+        quotas = self.quotas
+        skip: set[int] = set()
+        chosen: list[int] = []
+        own = quotas.own_excess(owner, growth) if growth > 0 else 0
+        if own > 0:
+            picked = self._choose([(owner, None)], own, key, skip)
+            if picked is None:
+                quotas.count_refused(owner)
+                raise TierIOError("tenant_quota", f"tenant {quotas.labels[owner]!r} is at its budget of "
+                                  f"{quotas.budgets[owner]} bytes on this tier, held by chunks in use")
+            chosen = picked
+            skip.update(chosen)
+        if self.capacity is not None:
+            freed = sum(self._size[s] for s in chosen)
+            excess = self.used - freed + growth - self.capacity
+            if not self.complete:
+                excess = max(excess, growth - freed)
+            if excess > 0:
+                more = self._choose(quotas.donors(owner), excess, key, skip)
+                if more is None:
+                    raise TierIOError(
+                        "no_space",
+                        f"max_bytes={self.capacity} is held by chunks in use" if self.complete else
+                        f"max_bytes={self.capacity}: the start-up scan has not found enough idle chunks to evict yet")
+                chosen.extend(more)
+        victims = self._take(chosen)
+        self._charging = owner
+        try:
+            self.add(key, size)
+        finally:
+            self._charging = DEFAULT_POOL
+        return victims
+
+    def reserve_all(self, keys: Sequence[bytes], size: int) -> tuple[list[bool | TierIOError], list[tuple[bytes, float]]]:
+        """:meth:`ChunkIndex.reserve_all`, each key through this class's :meth:`reserve`."""
+        outcomes: list[bool | TierIOError] = []
+        victims: list[tuple[bytes, float]] = []
+        busy = self._busy
+        for key in keys:
+            slot = self._find(key)
+            if slot >= 0 and self._size[slot] == size:
+                self._writers.pop(key, None)
+                self._unlink(slot)
+                self._push_hot(slot)
+                outcomes.append(False)
+            else:
+                try:
+                    victims.extend(self.reserve(key, size))
+                except TierIOError as exc:
+                    outcomes.append(exc)
+                    continue
+                outcomes.append(True)
+            busy[key] = busy.get(key, 0) + 1
+        return outcomes, victims
+
+    def over_capacity_victims(self, limit: int | None = None) -> list[tuple[bytes, float]]:
+        """Pools over their budget back to it (their own least recent idle chunks), then the tier
+        back under ``max_bytes`` (as :meth:`TenantQuotas.donors` orders it), ``limit`` chunks at most."""
+        quotas = self.quotas
+        chosen: list[int] = []
+        skip: set[int] = set()
+        for pool, budget in enumerate(quotas.budgets):
+            if budget is not None and quotas.used[pool] > budget:
+                left = None if limit is None else limit - len(chosen)
+                picked = self._choose([(pool, None)], quotas.used[pool] - budget, None, skip, limit=left, partial=True)
+                chosen.extend(picked or ())
+                skip.update(chosen)
+        if self.capacity is not None:
+            excess = self.used - sum(self._size[s] for s in chosen) - self.capacity
+            if excess > 0 and (limit is None or len(chosen) < limit):
+                left = None if limit is None else limit - len(chosen)
+                chosen.extend(self._choose(quotas.donors(-1), excess, None, skip, limit=left, partial=True) or ())
+        return self._take(chosen)
+
+    def _choose(self, donors: Sequence[tuple[int, int | None]], excess: int, exclude: bytes | None,
+                skip: set[int], *, limit: int | None = None, partial: bool = False) -> list[int] | None:
+        """Idle slots worth at least ``excess`` bytes, from ``donors`` in order (each pool's least
+        recent first, at most its cap), not ``exclude`` nor in ``skip``; None when too few
+        (unless ``partial``). Nothing is removed."""
+        chosen: list[int] = []
+        taken: set[int] = set()
+        freed = 0
+        sizes, busy = self._size, self._busy
+        for pool, cap in donors:
+            from_pool = 0
+            for slot in self._pool_order(pool):
+                if freed >= excess or (limit is not None and len(chosen) >= limit):
+                    break
+                if cap is not None and from_pool >= cap:
+                    break
+                if slot in skip or slot in taken:
+                    continue
+                key = self._key(slot)
+                if key == exclude or key in busy:
+                    continue
+                chosen.append(slot)
+                taken.add(slot)
+                freed += sizes[slot]
+                from_pool += sizes[slot]
+            if freed >= excess or (limit is not None and len(chosen) >= limit):
+                break
+        if freed < excess and not partial and (limit is None or len(chosen) < limit):
+            return None
+        return chosen
+
+    def _take(self, slots: Sequence[int]) -> list[tuple[bytes, float]]:
+        """Remove the chosen slots as evictions (counted per pool); ``(key, stored_at)`` each."""
+        victims: list[tuple[bytes, float]] = []
+        for slot in slots:
+            self.quotas.count_evictions(self._tenant[slot])
+            victims.append((self._key(slot), self._stored[slot] + self._epoch))
+        for key, _ in victims:
+            self.remove(key)
+        return victims
+
+    def _pool_order(self, pool: int) -> Iterator[int]:
+        """``pool``'s slots from least recently used on ("default": the cold chunks first). Lazy;
+        the lists must not change while it runs."""
+        if pool == DEFAULT_POOL:
+            nxt = self._next
+            while self._cold_top and nxt[self._cold_top] == self._cold_top:
+                self._cold_top -= 1
+            for bucket in range(self._cold_top, 0, -1):
+                if nxt[bucket] != bucket:
+                    yield from self._walk(bucket)
+        tnext = self._tnext
+        slot = self._thead[pool]
+        while slot != _EMPTY:
+            following = tnext[slot]
+            yield slot
+            slot = following
+
+    # ------------------------------------------------------------------ internals
+    def _grow(self) -> None:
+        n = len(self._klen)
+        super()._grow()
+        self._tenant.extend(bytes(n))
+        self._tprev.extend(array("i", [_UNLINKED]) * n)
+        self._tnext.extend(array("i", [_EMPTY]) * n)
+
+    def _new_entry(self, key: bytes, size: int) -> int:
+        slot = super()._new_entry(key, size)
+        self._tenant[slot] = self._charging
+        self._tprev[slot] = _UNLINKED
+        self.quotas.charge(self._charging, size)
+        return slot
+
+    def _drop(self, slot: int, key: bytes) -> None:
+        pool, size = self._tenant[slot], self._size[slot]
+        super()._drop(slot, key)
+        self.quotas.discharge(pool, size)
+
+    def _unlink(self, slot: int) -> None:
+        super()._unlink(slot)
+        prev = self._tprev[slot]
+        if prev == _UNLINKED:
+            return
+        nxt, pool = self._tnext[slot], self._tenant[slot]
+        if prev == _EMPTY:
+            self._thead[pool] = nxt
+        else:
+            self._tnext[prev] = nxt
+        if nxt == _EMPTY:
+            self._ttail[pool] = prev
+        else:
+            self._tprev[nxt] = prev
+        self._tprev[slot] = _UNLINKED
+
+    def _push_hot(self, slot: int) -> None:
+        super()._push_hot(slot)
+        pool = self._tenant[slot]
+        tail = self._ttail[pool]
+        self._tprev[slot] = tail
+        self._tnext[slot] = _EMPTY
+        if tail == _EMPTY:
+            self._thead[pool] = slot
+        else:
+            self._tnext[tail] = slot
+        self._ttail[pool] = slot

@@ -31,11 +31,26 @@ Semantics callers rely on:
 * **Lookups never block**: :meth:`FileSystemTier.known` answers from the in-memory index (chunks
   this process wrote, loaded, probed or scanned); unknown keys are probed off-thread by
   :meth:`FileSystemTier.contains`, so chunks written by other processes are found.
+* **Private files** (``file_mode`` / ``dir_mode``, :mod:`kvtier.tiers.fs.modes`): chunk files,
+  their temporaries, ``config.json`` and every directory the tier makes get exactly these modes
+  (owner-only by default) whatever the umask; what exists already is left as it is.
+* **Compression and encryption at rest** (``compression`` / ``encryption``,
+  :mod:`kvtier.tiers.codec`): when set, chunks are stored as coded files (format version 3: a
+  page-multiple of stored bytes plus the trailer page; smaller than a slot when compressed, a
+  page larger than a plain file when encrypted and not compressed), encoded in a page-aligned
+  per-thread buffer so ``O_DIRECT`` still applies. Loads read a file of a plain size as always
+  and decode any other size through the codec, into the slot; a tier without the options still
+  reads compressed chunks. A tier that encrypts refuses plain chunks (``unencrypted``: a miss,
+  rewritten encrypted by the next store); a wrong or missing key is a miss (``undecryptable``,
+  ``no_key``), never bytes in the slot.
 * **Capacity** (``max_bytes``, kvtier extension): space for a chunk is reserved, evicting the
   least recently stored/loaded chunks first, BEFORE the chunk is written, and the chunk is written
   only once the files of every eviction started before it are deleted — so the bytes this
   process's files take under the rank's tree never exceed ``max_bytes``, not even between jobs.
-  Chunks being read or written are never evicted. Usage is rebuilt from disk by a start-up scan
+  Chunks being read or written are never evicted. Every chunk counts at its file's size on disk:
+  a store reserves the largest file its codec can write (a plain file's size, or a page more when
+  encrypting) and, once written, counts what the file takes (compression frees what it saves).
+  Usage is rebuilt from disk by a start-up scan
   that runs in the background (recency seeded from mtimes; until it is over the unscanned rest
   counts as full, so a store evicts as much as it adds), then re-synchronised every
   ``rescan_interval_s`` with what other processes added or deleted (:mod:`kvtier.tiers.fs.sync`:
@@ -73,10 +88,13 @@ from anyio.abc import TaskStatus
 from kvtier.config.tiers import tier_option
 from kvtier.errors import ConfigError
 from kvtier.layout import Namespace, namespace
-from kvtier.tiers.base import SecondaryTier, TierContext
+from kvtier.policies.quotas import TenantFamilies, TenantQuotas
+from kvtier.tiers.base import SecondaryTier, TierContext, TransferJob
+from kvtier.tiers.codec import ChunkCodec, is_coded_file_size
 from kvtier.tiers.errors import ChunkCorrupt, ChunkNotFound, TierIOError
 from kvtier.tiers.fs import beneath, chunks
-from kvtier.tiers.fs.index import ChunkIndex
+from kvtier.tiers.fs.index import ChunkIndex, TenantChunkIndex
+from kvtier.tiers.fs.modes import Modes
 from kvtier.tiers.fs.pool import DualQueuePool, IOQueue
 from kvtier.tiers.fs.sync import SyncMetrics, TreeSync
 from kvtier.tiers.fs.tree import ensure_config_json
@@ -109,16 +127,18 @@ _MAX_EXPECTED_ENTRIES = 1 << 22
 # ------------------------------------------------------------------------------------------------
 
 
-def _load_verified(dir_fd: int, fingerprint: bytes, o_direct: bool, accept_unverified: bool,
+def _load_verified(dir_fd: int, fingerprint: bytes, o_direct: bool, accept_unverified: bool, codec: ChunkCodec,
                    key: bytes, dst: memoryview) -> Verdict:
-    """Read chunk ``key`` into ``dst`` and verify it is that chunk of this run, intact.
+    """Read chunk ``key`` into ``dst`` and verify it is that chunk of this run, intact (a coded
+    file is decoded by ``codec``: the verdict is then a :class:`~kvtier.tiers.fs.chunks.CodedVerdict`
+    with the file's size).
 
     On rejection ``dst`` is zeroed and the file removed — except a trailer-less file refused as
     ``unverified``, which is left alone (it may be another program's, such as vLLM's).
     """
     relpath = Namespace.chunk_relpath(key)
     verdict = chunks.load_chunk(dir_fd, relpath, dst, identity(key, fingerprint), o_direct=o_direct,
-                               accept_unverified=accept_unverified)
+                               accept_unverified=accept_unverified, codec=codec)
     if not verdict.ok:
         # Defence in depth: the manager frees the slot on failure, but never leave bytes that
         # failed verification where they could be mistaken for a chunk.
@@ -135,7 +155,7 @@ class _Repaired(int):
     """Bytes written by :func:`_store` after it removed a link or special file in the way."""
 
 
-def _store(dir_fd: int, fingerprint: bytes, o_direct: bool, key: bytes, src: memoryview) -> int:
+def _store(dir_fd: int, fingerprint: bytes, o_direct: bool, modes: Modes, key: bytes, src: memoryview) -> int:
     """Publish ``src`` with its trailer as chunk ``key``; the bytes written (0 when present).
 
     A symbolic link, special file or non-directory where the layout needs a directory or the
@@ -146,10 +166,27 @@ def _store(dir_fd: int, fingerprint: bytes, o_direct: bool, key: bytes, src: mem
     page = chunks.trailer_page()
     write_trailer(page, src, key, fingerprint)
     try:
-        return chunks.write_chunk(dir_fd, relpath, src, page, o_direct=o_direct)
+        return chunks.write_chunk(dir_fd, relpath, src, page, o_direct=o_direct, modes=modes)
     except beneath.UnsafeEntry:
         chunks.remove_file(dir_fd, relpath)
-        return _Repaired(chunks.write_chunk(dir_fd, relpath, src, page, o_direct=o_direct))
+        return _Repaired(chunks.write_chunk(dir_fd, relpath, src, page, o_direct=o_direct, modes=modes))
+
+
+def _store_coded(codec: ChunkCodec, dir_fd: int, fingerprint: bytes, o_direct: bool, modes: Modes, key: bytes,
+                 src: memoryview) -> int:
+    """:func:`_store` for a tier whose codec encodes: ``src`` is encoded into this thread's
+    page-aligned image buffer and published as it is; returns the file's size on disk (whether
+    written now or found there already), a :class:`_Repaired` as :func:`_store` does."""
+    relpath = Namespace.chunk_relpath(key)
+    image = chunks.image_buffer(codec.max_file_bytes)
+    n = codec.encode_into(src, identity(key, fingerprint), image)
+    try:
+        chunks.write_image(dir_fd, relpath, image[:n], o_direct=o_direct, modes=modes)
+    except beneath.UnsafeEntry:
+        chunks.remove_file(dir_fd, relpath)
+        chunks.write_image(dir_fd, relpath, image[:n], o_direct=o_direct, modes=modes)
+        return _Repaired(n)
+    return n
 
 
 def _stat_sizes(dir_fd: int, keys: Sequence[bytes]) -> list[int | None]:
@@ -188,7 +225,8 @@ class FileSystemTier(SecondaryTier):
     Options (``config.options``): ``root_dir``, ``n_read_threads`` / ``n_write_threads`` (pool
     workers, default 16 each), ``max_bytes`` (None = unlimited), ``eviction_policy`` (``"lru"``),
     ``stale_tmp_grace_s`` (3600), ``rescan_interval_s`` (30), ``accept_unverified_chunks``
-    (False). ``max_bytes`` bounds this rank's block tree (all processes sharing it count; each
+    (False), ``file_mode`` / ``dir_mode`` (0o600 / 0o700), ``compression`` / ``encryption``
+    (None). ``max_bytes`` bounds this rank's block tree (all processes sharing it count; each
     evicts what it can see).
     """
 
@@ -209,15 +247,28 @@ class FileSystemTier(SecondaryTier):
         interval = tier_option(config, "rescan_interval_s")
         rescan_interval_s = None if interval is None else float(interval)
         self.accept_unverified_chunks = bool(tier_option(config, "accept_unverified_chunks"))
+        #: Modes of the files and directories this tier creates (the umask is read once, here).
+        self.modes = Modes.for_umask(int(tier_option(config, "file_mode")), int(tier_option(config, "dir_mode")))
+        #: Encodes stored chunks when ``compression`` or ``encryption`` is set; without them it
+        #: still reads compressed chunks (a cache written with compression stays readable).
+        self.codec = ChunkCodec.from_options(
+            tier_option(config, "compression"), tier_option(config, "encryption"),
+            dtype=getattr(context.geometry, "dtype", None) or "fp8",  # no geometry: lookup-only tests
+            slot_bytes=context.slot_bytes, where=f"secondary_tiers[{context.index}].")
+        # What a store reserves per chunk before it knows the file's size: the largest file the
+        # codec writes (an encrypted chunk takes a page more than a plain one). The index then
+        # holds the size written.
+        self._reserve_bytes = (self.codec.max_file_bytes if self.codec.encrypts
+                               else stored_size(context.slot_bytes))
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ConfigError(
                 f"secondary_tiers[{context.index}].eviction_policy={self.eviction_policy!r} is not "
                 f"supported by the fs tier; allowed: {', '.join(EVICTION_POLICIES)}"
             )
-        if self.max_bytes is not None and self.max_bytes < stored_size(context.slot_bytes):
+        if self.max_bytes is not None and self.max_bytes < self._reserve_bytes:
             raise ConfigError(
                 f"secondary_tiers[{context.index}].max_bytes={self.max_bytes} cannot hold one chunk "
-                f"({stored_size(context.slot_bytes)} bytes on disk)"
+                f"({self._reserve_bytes} bytes on disk)"
             )
         # The pool bounds real parallelism; let the framework keep every worker busy.
         tunables.setdefault("max_concurrent_loads", max(16, self.n_read_threads + self.n_write_threads))
@@ -225,7 +276,11 @@ class FileSystemTier(SecondaryTier):
         super().__init__(config, context, **tunables)
         self.namespace: Namespace = namespace(self.root_dir, context.run_fields, context.rank)
         expected = 0 if self.max_bytes is None else self.max_bytes // stored_size(context.slot_bytes)
-        self.index = ChunkIndex(self.max_bytes, expected_entries=min(expected, _MAX_EXPECTED_ENTRIES))
+        tenant_bytes = tier_option(config, "tenant_bytes")
+        self.index: ChunkIndex = ChunkIndex(self.max_bytes, expected_entries=min(expected, _MAX_EXPECTED_ENTRIES)) \
+            if tenant_bytes is None else TenantChunkIndex(  # tenant quotas: kvtier.policies.quotas
+                self.max_bytes, TenantQuotas(tenant_bytes, TenantFamilies(self.add_metric)),
+                expected_entries=min(expected, _MAX_EXPECTED_ENTRIES))
         self.o_direct = False
         self._file_bytes = stored_size(context.slot_bytes)
         self._dir_fd = -1  # the run's block tree, open from open() to close()
@@ -351,7 +406,13 @@ class FileSystemTier(SecondaryTier):
             # cold cache on the root filesystem. An existing one is never created again (on a full
             # or read-only disk, mkdir may fail before it finds the directory there).
             if not os.path.isdir(self.root_dir):
-                os.mkdir(self.root_dir)
+                os.mkdir(self.root_dir, self.modes.dir)
+                if self.modes.fix_dir:
+                    root_fd = os.open(self.root_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
+                    try:
+                        self.modes.settle_dir(root_fd)
+                    finally:
+                        os.close(root_fd)
         except FileExistsError:
             pass  # created meanwhile by another process, or not a directory: refused just below
         except FileNotFoundError:
@@ -363,8 +424,9 @@ class FileSystemTier(SecondaryTier):
             ) from None
         root_fd = os.open(self.root_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
         try:
-            _, stale = ensure_config_json(root_fd, self.namespace, tmp_grace_s=self.stale_tmp_grace_s)
-            self._dir_fd = beneath.open_dir(root_fd, self.namespace.blocks_leaf, create=True)
+            _, stale = ensure_config_json(root_fd, self.namespace, tmp_grace_s=self.stale_tmp_grace_s,
+                                          modes=self.modes)
+            self._dir_fd = beneath.open_dir(root_fd, self.namespace.blocks_leaf, create=True, modes=self.modes)
             return stale
         finally:
             os.close(root_fd)
@@ -467,9 +529,14 @@ class FileSystemTier(SecondaryTier):
         self.set_usage(self.index.used, self.max_bytes)
 
     def _usable(self, size: int | None) -> bool:
-        """Whether a chunk file of ``size`` bytes can be loaded (trailered, or trailer-less when
-        unverified chunks are accepted)."""
-        return size == self._file_bytes or (self.accept_unverified_chunks and size == self.context.slot_bytes)
+        """Whether a chunk file of ``size`` bytes may be loadable: trailered, or trailer-less when
+        unverified chunks are accepted (neither when the tier encrypts: plain chunks are not
+        authentic there), or of a coded chunk's size (its codec decides on load)."""
+        if size is None:
+            return False
+        if size == self._file_bytes or size == self.context.slot_bytes:
+            return not self.codec.encrypts and (size == self._file_bytes or self.accept_unverified_chunks)
+        return is_coded_file_size(size, self.context.slot_bytes)
 
     # --- primitives ---------------------------------------------------------------------------
     def known(self, key: bytes) -> bool | None:
@@ -516,7 +583,7 @@ class FileSystemTier(SecondaryTier):
         outcomes: list[BaseException | None] = [None] * len(items)
         earlier_deletions = list(self._deletions)
         # The index is asked once per job, before the I/O and after it (not per chunk).
-        reservations, victims = self.index.reserve_all([key for key, _ in items], self._file_bytes)
+        reservations, victims = self.index.reserve_all([key for key, _ in items], self._reserve_bytes)
         calls: list[tuple[bytes, memoryview]] = []
         started: list[tuple[int, bool]] = []  # (item index, newly reserved)
         for i, reserved in enumerate(reservations):
@@ -528,10 +595,14 @@ class FileSystemTier(SecondaryTier):
         self._report_evictions(victims)
         self._publish_usage()
         results: list[int | BaseException] | None = None
+        coded = self.codec.active
+        if coded:
+            store = partial(_store_coded, self.codec, self._dir_fd, self.namespace.fingerprint, self.o_direct, self.modes)
+        else:
+            store = partial(_store, self._dir_fd, self.namespace.fingerprint, self.o_direct, self.modes)
         try:
             await self._room_made([k for k, _ in victims], earlier_deletions)
-            results = await self._pool.run_batch(
-                IOQueue.WRITE, partial(_store, self._dir_fd, self.namespace.fingerprint, self.o_direct), calls)
+            results = await self._pool.run_batch(IOQueue.WRITE, store, calls)
         finally:
             if results is None:  # cut short: any chunk reserved now may or may not be on disk
                 for i, reserved in started:
@@ -546,9 +617,21 @@ class FileSystemTier(SecondaryTier):
                             self.index.remove(items[i][0])  # not on disk after all
                     elif isinstance(result, _Repaired):
                         self._rejected.inc(1, "not_regular")
+            if coded and results is not None:
+                self._settle_coded_sizes(calls, results)
             self.index.unpin_all([key for key, _ in calls])
             self._publish_usage()
         return outcomes
+
+    def _settle_coded_sizes(self, calls: Sequence[tuple[bytes, memoryview]], results: Sequence[int | BaseException]) -> None:
+        """Count each coded chunk stored at its file's size rather than the size reserved for it
+        (compression frees what it saves)."""
+        index = self.index
+        for (key, _), result in zip(calls, results):
+            if not isinstance(result, BaseException):
+                held = index.size_of(key)
+                if held is not None and held != result:
+                    index.add(key, int(result))
 
     async def read_many(self, items: Sequence[tuple[bytes, memoryview]]) -> list[BaseException | None]:
         """Load a whole job: chunks spread over the pool workers in slices (``run_batch``), one
@@ -566,7 +649,7 @@ class FileSystemTier(SecondaryTier):
             results = await self._pool.run_batch(
                 IOQueue.READ,
                 partial(_load_verified, self._dir_fd, self.namespace.fingerprint, self.o_direct,
-                        self.accept_unverified_chunks),
+                        self.accept_unverified_chunks, self.codec),
                 items)
         finally:
             self.index.unpin_all(keys)
@@ -599,6 +682,12 @@ class FileSystemTier(SecondaryTier):
             self.index.remove(key)
             self.sync.invalidate(key)  # if its removal failed, the next pass re-adds it
             return ChunkCorrupt(f"chunk file {relpath} rejected: {result.reason}")
+        if isinstance(result, chunks.CodedVerdict):  # a coded file, decoded: counted at its size
+            if self.index.size_of(key) == result.file_size:
+                self.index.touch(key)
+            else:
+                self.index.add(key, result.file_size)
+            return None
         self._unverified.inc()  # a trailer-less file of exactly one slot, accepted on request
         self.index.touch_or_add((key,), nbytes)
         return None
@@ -618,6 +707,13 @@ class FileSystemTier(SecondaryTier):
         """The manager used ``keys``: they become the most recently used on disk too."""
         for key in keys:
             self.index.touch(key)
+
+    def submit_store(self, job: TransferJob) -> None:
+        """The base's, after noting the tenant pool the job's chunks are charged to (tenant quotas)."""
+        index = self.index
+        if isinstance(index, TenantChunkIndex):
+            index.note_writers(job.keys, index.quotas.pool_of_request(job.ctx))
+        super().submit_store(job)
 
 
 _unbounded_dirs: set[str] = set()

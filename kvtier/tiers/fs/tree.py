@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.fs import beneath
+from kvtier.tiers.fs.modes import PRIVATE, Modes
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.layout import Namespace
@@ -230,7 +231,8 @@ def decode_config_json(raw: bytes) -> dict[str, Any]:
     return fields
 
 
-def ensure_config_json(root_fd: int, ns: Namespace, *, tmp_grace_s: float | None = None) -> tuple[bool, int]:
+def ensure_config_json(root_fd: int, ns: Namespace, *, tmp_grace_s: float | None = None,
+                       modes: Modes = PRIVATE) -> tuple[bool, int]:
     """Create ``config.json`` in ``ns``'s config directory beneath ``root_fd`` if absent
     (atomically), else verify that it describes this run. Returns ``(created, stale_removed)``.
 
@@ -241,18 +243,20 @@ def ensure_config_json(root_fd: int, ns: Namespace, *, tmp_grace_s: float | None
     than ``tmp_grace_s`` are swept (``None`` keeps them). An existing file whose fields differ
     from ``ns.fields`` (or that is not valid JSON, is too large, or is a link or special file)
     raises :class:`ConfigError`: its chunks were written by a different geometry and must not be
-    read as this run's. The config directory is reached without following links.
+    read as this run's. The config directory is reached without following links; it and the file
+    are created with ``modes`` (an existing one is left as it is).
     """
-    cfg_fd = beneath.open_dir(root_fd, ns.leaf, create=True)
+    cfg_fd = beneath.open_dir(root_fd, ns.leaf, create=True, modes=modes)
     try:
         stale = _sweep_config_tmp(cfg_fd, tmp_grace_s)
         existing = _existing_fields(cfg_fd, ns)
         if existing is None:
             tmp = f"{CONFIG_JSON}_{secrets.randbits(63)}.tmp"
             try:
-                fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
+                fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, modes.file,
                              dir_fd=cfg_fd)
                 with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    modes.settle_file(fd)
                     f.write(config_text(ns))
                 try:
                     os.link(tmp, CONFIG_JSON, src_dir_fd=cfg_fd, dst_dir_fd=cfg_fd)
