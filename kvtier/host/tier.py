@@ -120,9 +120,10 @@ class HostTier:
     ``tenant_budgets`` (``tenant_cpu_bytes``: tenant label → bytes, ``"default"`` for every other
     request) turns on tenant quotas (:mod:`kvtier.policies.quotas`): each chunk is charged
     ``slot_bytes`` to the pool of the request that stored it, a pool at its budget evicts its own
-    least recently used chunks and has the chunks it cannot make room for refused (dropped from
-    the store, counted), and a full tier takes room from pools over their budget or without one
-    before any other. The policy is then a :class:`~kvtier.policies.tenant_policy.TenantPolicy`
+    least recently used chunks (no room while too many of them are busy: None, as for a full
+    tier), the chunks beyond what its whole budget holds are refused (dropped from the store,
+    counted), and a full tier takes room from pools over their budget or without one before any
+    other. The policy is then a :class:`~kvtier.policies.tenant_policy.TenantPolicy`
     (one ``eviction_policy`` per pool); without budgets nothing of this runs.
     """
 
@@ -523,22 +524,24 @@ class HostTier:
     def _tenant_room(self, candidates: list[bytes], guard: Collection[bytes],
                      ctx: RequestContext | None) -> tuple[list[bytes], list[tuple[bytes, ChunkStatus]]] | None:
         """Tenant quotas: the candidates the requesting pool may store, and the victims that make
-        room for them (already evicted), or None (no change) when the tier cannot make the room.
+        room for them (already evicted), or None (no change) when the room cannot be made now.
 
-        A pool past its budget evicts its own least recently used chunks; the candidates beyond
-        what it can free of its own are refused (the tail: a prefix is worth more than its end).
+        Candidates beyond what the pool's whole budget holds are refused (the tail: a prefix is
+        worth more than its end), counted. For the rest, a pool past its budget evicts its own
+        least recently used chunks; while too many of them are busy (being written or read) there
+        is no room yet: None, as for a full tier, so a caller that waits for room waits for them.
         Room the tier lacks beyond that comes from :meth:`TenantQuotas.donors`.
         """
         assert self._tenants is not None
         tenants = self._tenants
         quotas, slot = tenants.quotas, self.slot_bytes
         pool = quotas.pool_of_request(ctx)
+        budget = quotas.budgets[pool]
+        keep = len(candidates) if budget is None else min(len(candidates), budget // slot)
         eligible = tenants.eligible(guard)
-        own = -(-quotas.own_excess(pool, len(candidates) * slot) // slot)
-        keep = len(candidates)
+        own = -(-quotas.own_excess(pool, keep * slot) // slot)
         if own > eligible[pool]:
-            keep = max(0, keep - (own - eligible[pool]))
-            own = eligible[pool] if keep else 0
+            return None
         plan = [(pool, own)] if own else []
         need = keep - self.free_slots - own
         if need > 0:

@@ -11,8 +11,10 @@ The rules every tier with budgets applies through :class:`TenantQuotas`:
 
 * **A budget is a cap.** Storing for pool ``T`` bytes that would take ``T`` past its budget first
   evicts ``T``'s own least recently used idle chunks (:meth:`TenantQuotas.own_excess` bytes of
-  them), never anyone else's; the chunks ``T`` cannot make room for that way are refused (not an
-  error; counted per pool). A pool the map gives no budget (``"default"`` unless named) has no cap.
+  them), never anyone else's; what ``T`` cannot make room for is refused (not an error; counted
+  per pool; host memory refuses only what exceeds the whole budget and otherwise waits for ``T``'s
+  busy chunks, as a full tier waits). A pool the map gives no budget (``"default"`` unless
+  named) has no cap.
 * **A full tier takes room from** the pools :meth:`TenantQuotas.donors` lists, in order: pools
   over their budget (a tier can find more than a budget at start-up), down to their budget; then
   pools without a budget; then — only when the budgets add up to more than the tier holds — the

@@ -103,26 +103,33 @@ def test_a_tenant_at_its_budget_evicts_its_own_chunks_even_with_free_slots() -> 
     assert dict(zip(stats.labels, stats.evictions))["a"] == 1
 
 
-def test_a_store_a_tenant_cannot_make_room_for_is_refused_and_counted() -> None:
+def test_a_store_beyond_the_whole_budget_is_refused_and_counted() -> None:
+    host = HostTier(10, SLOT, tenant_budgets={"a": 2 * SLOT})
+    a = ctx("a")
+    out = host.prepare_store([key("a", i) for i in range(5)], a)
+    assert out is not None and out.keys_to_store == [key("a", 0), key("a", 1)]  # the head; the tail can never fit
+    host.complete_store(out.keys_to_store)
+    stats = host.statistics().tenants
+    assert stats is not None
+    assert dict(zip(stats.labels, stats.refused_stores)) == {"default": 0, "a": 3}
+
+
+def test_a_tenant_whose_own_chunks_are_busy_has_no_room_until_they_are_idle() -> None:
     host = HostTier(10, SLOT, tenant_budgets={"a": 2 * SLOT})
     a = ctx("a")
     store(host, [key("a", 0), key("a", 1)], a)
-    host.prepare_load([key("a", 0), key("a", 1)])  # pinned: nothing of A's may go
-    out = host.prepare_store([key("a", 2), key("a", 3)], a)
-    assert out is not None and out.keys_to_store == [] and out.evicted_keys == []
-    stats = host.statistics().tenants
-    assert stats is not None
-    assert dict(zip(stats.labels, stats.refused_stores)) == {"default": 0, "a": 2}
-    host.complete_load([key("a", 0), key("a", 1)])
+    host.prepare_load([key("a", 0), key("a", 1)])  # pinned: nothing of A's may go, though slots are free
+    assert host.prepare_store([key("a", 2), key("a", 3)], a) is None  # no room now: a caller may wait
+    host.complete_load([key("a", 0)])
+    assert host.prepare_store([key("a", 2), key("a", 3)], a) is None  # room for one is not room for both
+    host.complete_load([key("a", 1)])
     out = host.prepare_store([key("a", 2), key("a", 3)], a)
     assert out is not None
-    assert len(out.keys_to_store) == 2 and len(out.evicted_keys) == 2
-    host.complete_store(out.keys_to_store)
-    # With one of its two chunks idle, the head of the offer is stored and the tail refused.
-    host.prepare_load([key("a", 2)])
-    out = host.prepare_store([key("a", 4), key("a", 5)], a)
-    assert out is not None and out.keys_to_store == [key("a", 4)] and out.evicted_keys == [key("a", 3)]
-    assert host.statistics().tenants.refused_stores[1] == 3  # type: ignore[union-attr]
+    assert out.keys_to_store == [key("a", 2), key("a", 3)] and sorted(out.evicted_keys) == [key("a", 0), key("a", 1)]
+    stats = host.statistics().tenants
+    assert stats is not None
+    assert dict(zip(stats.labels, stats.refused_stores)) == {"default": 0, "a": 0}
+    assert dict(zip(stats.labels, stats.bytes_used)) == {"default": 0, "a": 2 * SLOT}
 
 
 def test_a_full_tier_takes_room_from_the_unlimited_pool_never_from_a_tenant_within_budget() -> None:
