@@ -197,6 +197,13 @@ def test_kvtier_config_error_fails_vllm_start_up(tmp_path: Path) -> None:
     spec = tiering_spec([{"type": "kvtier_fs", "root_dir": str(tmp_path), "write_policy": "write_back"}])
     with pytest.raises(kvtier.ConfigError, match=r"secondary_tiers\[0\]\.write_policy"):
         spec.get_manager()
+    # Nor could tenant budgets: vLLM's manager owns host memory and hands tiers no request.
+    spec = tiering_spec([{"type": "kvtier_fs", "root_dir": str(tmp_path), "tenant_bytes": {"a": 1 << 20}}])
+    with pytest.raises(kvtier.ConfigError, match=r"secondary_tiers\[0\]\.tenant_bytes: tenant quotas are not available"):
+        spec.get_manager()
+    spec = tiering_spec([{"type": "kvtier_fs", "root_dir": str(tmp_path)}], tenant_cpu_bytes={"a": 1 << 20})
+    with pytest.raises(kvtier.ConfigError, match=r"tenant_cpu_bytes: tenant quotas are not available inside vLLM"):
+        spec.get_manager()
 
 
 def test_reset_cache_drains_and_shutdown_leaves_nothing(tmp_path: Path) -> None:

@@ -195,6 +195,14 @@ class _KvtierTier(SecondaryTierManager):
             # vLLM's own tiering manager cascades every stored chunk: the key would do nothing.
             raise ConfigError(f"secondary_tiers[{self.index}].write_policy: {config.write_policy!r} is not "
                               "available inside vLLM (its manager writes every chunk through); use write_through")
+        extra = getattr(offloading_spec, "extra_config", None)
+        if config.options.get("tenant_bytes") is not None or (
+                isinstance(extra, dict) and extra.get("tenant_cpu_bytes") is not None):
+            # vLLM's manager owns host memory and hands tiers no request: no budget could act.
+            key = "tenant_bytes" if config.options.get("tenant_bytes") is not None else "tenant_cpu_bytes"
+            where = f"secondary_tiers[{self.index}].tenant_bytes" if key == "tenant_bytes" else key
+            raise ConfigError(f"{where}: tenant quotas are not available inside vLLM (its manager owns host memory "
+                              "and passes tiers no request to charge); use them with kvtier.open")
         self.locality = Locality(config.locality.value) if config.locality is not None else None
         events_on = bool(offloading_spec.kv_events_config.enable_kv_cache_events)
         if config.enable_kv_events and not events_on:
