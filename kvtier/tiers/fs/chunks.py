@@ -369,7 +369,16 @@ def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes
     except UnsafeEntry:
         return rejected("not_regular")
     slot_bytes = len(dst)
+    # A tier that encodes reads mostly coded files: straight into the image buffer (one page more
+    # than the largest coded file, so a longer file shows), no copy on the way; a plain file found
+    # there (written before the option was on) is copied into the slot by the codec.
+    image = image_buffer(slot_bytes + 3 * TRAILER_PAGE) if codec is not None and codec.active else None
     try:
+        if image is not None:
+            n = os.preadv(fd, [image[: slot_bytes + 3 * TRAILER_PAGE]], 0, _RWF_NOWAIT if nowait else 0)
+            if nowait and n < slot_bytes + 3 * TRAILER_PAGE and os.lseek(fd, 0, os.SEEK_END) != n:
+                raise BlockingIOError(errno.EAGAIN, "not all in the page cache", relpath)
+            return _decode_image(codec, image, n, dst, chunk_identity, accept_unverified)  # type: ignore[arg-type]
         # Both buffers are page aligned with page-multiple lengths, so O_DIRECT accepts them
         # (it may still return a count that is not a page multiple at end of file).
         n = os.preadv(fd, [dst, _scratch_pages()], 0, _RWF_NOWAIT if nowait else 0)
@@ -410,16 +419,25 @@ def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes
 def _decode(codec: ChunkCodec, dst: memoryview, n: int, chunk_identity: bytes, accept_unverified: bool) -> CodedVerdict:
     """Decode the ``n``-byte file :func:`load_chunk` read into ``dst`` and this thread's scratch
     pages: copied whole into :func:`image_buffer` first (the codec's source and target must not
-    overlap), then decoded into ``dst`` (zeroed by the codec on a rejection). A file of neither
-    a plain size nor a kvtier tail is ``short``/``long`` by its size, as without a codec."""
+    overlap), then :func:`_decode_image`."""
     slot_bytes = len(dst)
-    image = image_buffer(slot_bytes + 2 * TRAILER_PAGE)
+    image = image_buffer(slot_bytes + 3 * TRAILER_PAGE)
     head = min(n, slot_bytes)
     image[:head] = dst[:head]
     if n > slot_bytes:
         image[slot_bytes:n] = _scratch.pages[: n - slot_bytes]
+    return _decode_image(codec, image, n, dst, chunk_identity, accept_unverified)
+
+
+def _decode_image(codec: ChunkCodec, image: memoryview, n: int, dst: memoryview, chunk_identity: bytes,
+                  accept_unverified: bool) -> CodedVerdict:
+    """Decode the ``n``-byte file in ``image`` into ``dst`` (zeroed on a rejection). A file of
+    neither a plain size nor a kvtier tail is ``short``/``long`` by its size, as without a codec;
+    a file longer than a coded one can be is ``long``."""
+    slot_bytes = len(dst)
     plain = n == slot_bytes or n == slot_bytes + TRAILER_PAGE
-    if not plain and (n < TAIL_SIZE or image[n - TAIL_SIZE : n - TAIL_SIZE + len(MAGIC)] != MAGIC):
+    if n > slot_bytes + 2 * TRAILER_PAGE or (
+            not plain and (n < TAIL_SIZE or image[n - TAIL_SIZE : n - TAIL_SIZE + len(MAGIC)] != MAGIC)):
         dst[:] = bytes(slot_bytes)
         return CodedVerdict(False, False, "short" if n < slot_bytes + TRAILER_PAGE else "long", n)
     verdict = codec.decode_into(image[:n], chunk_identity, dst, accept_unverified=accept_unverified)
