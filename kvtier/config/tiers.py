@@ -369,6 +369,11 @@ class TierConfig:
                 "no backpressure key: p2p tiers do not support back-pressure",
             )
         common_raw = {k: v for k, v in raw.items() if k in TIER_COMMON_SCHEMA}
+        if raw.get("accept_unverified_chunks") is True and isinstance(raw.get("encryption"), Mapping) \
+                and raw["encryption"].get("key_id") is not None:
+            raise invalid(join_path(path, "accept_unverified_chunks"), True,
+                          "false with encryption: a tier that encrypts loads only chunks that authenticate, "
+                          "never a trailer-less one")
         rest = {k: v for k, v in raw.items() if k not in TIER_COMMON_SCHEMA}
         common = parse_section(common_raw, TIER_COMMON_SCHEMA, path)
         type_name: str = common["type"]

@@ -161,6 +161,11 @@ class HostTier:
                 quotas = TenantQuotas(tenant_budgets)
             except ValueError as exc:
                 raise ConfigError(f"tenant_cpu_bytes: {exc}") from None
+            small = {label: budget for label, budget in tenant_budgets.items() if budget < slot_bytes}
+            if small:  # a budget below one chunk would refuse every store of its tenant
+                label, budget = next(iter(small.items()))
+                raise ConfigError(f"tenant_cpu_bytes.{label} = {budget}: less than one chunk ({slot_bytes} bytes "
+                                  "in host memory); give at least that, or leave the tenant out")
             self._policy = self._tenants = TenantPolicy(
                 num_slots, quotas, slot_bytes,
                 lambda capacity: CachePolicyFactory.create(eviction_policy, capacity, cache_policy_module_path))

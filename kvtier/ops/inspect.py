@@ -55,11 +55,12 @@ escaped (:func:`kvtier.ops.runs.printable`), in the text and the JSON alike.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
 from kvtier.ops import runs as _runs
@@ -101,14 +102,28 @@ def build_parser() -> argparse.ArgumentParser:
 _positive_int = _runs.size_arg
 
 
-def _tree_report(listing: _runs.TreeListing, slot_option: int | None, tree_fd: int) -> dict[str, Any]:
+def _recorded_slot(root_fd: int, name: str, listing: _runs.TreeListing) -> int | None:
+    """The slot size a few of the tree's trailers record; None where they say none, or the tree
+    cannot be opened any more (removed, or replaced by a link, since it was listed)."""
+    try:
+        tree_fd = beneath.open_dir(root_fd, name)
+    except OSError:
+        return None
+    try:
+        return _runs.slot_from_trailers(tree_fd, listing)
+    finally:
+        os.close(tree_fd)
+
+
+def _tree_report(listing: _runs.TreeListing, slot_option: int | None,
+                 recorded_slot: Callable[[], int | None]) -> dict[str, Any]:
     sizes = [c.size for c in listing.chunks]
     slot, source = slot_option, "option"
     if slot is None:
         slot, source = guess_slot_bytes(sizes), "guessed"
         if slot is None or any(s not in (slot, slot + TRAILER_PAGE) for s in sizes):
             # Sizes beyond the plain two (a compressed or encrypted tier's files): the trailers say.
-            recorded = _runs.slot_from_trailers(tree_fd, listing)
+            recorded = recorded_slot()
             if recorded is not None:
                 slot, source = recorded, "trailer"
     raw = sum(1 for s in sizes if s == slot) if slot is not None else 0
@@ -154,11 +169,8 @@ def inspect_root(root_fd: int, root: str, *, slot_bytes: int | None = None,
             trees = []
             for tree in run.trees:
                 listing = list_tree(root_fd, tree.name, workers=scan_workers, on_shard=tick)
-                tree_fd = beneath.open_dir(root_fd, tree.name)
-                try:
-                    entry = {"name": tree.name, "rank": tree.rank, **_tree_report(listing, slot_bytes, tree_fd)}
-                finally:
-                    os.close(tree_fd)
+                recorded = functools.partial(_recorded_slot, root_fd, tree.name, listing)
+                entry = {"name": tree.name, "rank": tree.rank, **_tree_report(listing, slot_bytes, recorded)}
                 trees.append(entry)
                 totals["trees"] += 1
                 for key in ("chunk_files", "chunk_bytes", "trailerless_files", "coded_files", "other_size_files",

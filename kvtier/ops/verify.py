@@ -113,10 +113,10 @@ __all__ = ["run_verify_cli", "build_parser", "verify_root", "REASONS", "IO_DEPTH
 #: Every reason a file can be reported for.
 REASONS: tuple[str, ...] = (
     "short", "long", "bad_trailer", "old_version", "checksum", "wrong_chunk", "unverified", "not_regular", "stray",
-    "unreadable", "codec", "undecryptable", "no_key", "encrypted",
+    "unreadable", "codec", "no_codec", "undecryptable", "no_key", "encrypted",
 )
 # Problems --repair never removes: nothing is known of the bytes, or their key may be elsewhere.
-_KEPT = frozenset({"unreadable", "no_key"})
+_KEPT = frozenset({"unreadable", "no_key", "no_codec"})
 # Files per batch at most: a request of 256 layout paths and identities is ~56 KB, within a pipe's
 # 64 KiB, so the parent's send to a worker busy with its other request never waits for it.
 _BATCH = 256

@@ -150,14 +150,23 @@ class ChunkCodec:
         self._describe = info
 
     # --- construction -------------------------------------------------------------------------
+    @staticmethod
+    def dtype_of(run_fields: Mapping[str, Any]) -> str | None:
+        """The KV element type a run's fields name (kvtier's and vLLM's alike), canonical; None
+        when absent or not one kvtier knows (then no byte-plane transform applies)."""
+        try:
+            return normalize_dtype(run_fields["dtype"])
+        except (KeyError, ConfigError):
+            return None
+
     @classmethod
-    def from_options(cls, compression: Any, encryption: Any, *, dtype: str, slot_bytes: int,
+    def from_options(cls, compression: Any, encryption: Any, *, dtype: str | None, slot_bytes: int,
                      where: str = "") -> ChunkCodec:
         """The codec of a tier whose ``compression`` / ``encryption`` options are these (None:
         off). Loads the key file. ``ConfigError`` for a malformed option, a missing library (naming
         the extra to install) or a key file that is unsafe or malformed; ``where`` prefixes the key
         paths in messages (e.g. ``"secondary_tiers[0]."``)."""
-        dtype = normalize_dtype(dtype)
+        dtype = normalize_dtype(dtype) if dtype is not None else "bytes"
         level: int | None = None
         byte_planes = False
         zstd = _zstd_or_none()
@@ -341,8 +350,8 @@ class ChunkCodec:
         return rejected("bad_trailer")  # unreachable: check_coded refuses empty flags
 
     def _decompress(self, packed: memoryview, byte_planes: bool, dst: memoryview) -> Verdict:
-        if self._zstd is None:
-            return rejected("codec")
+        if self._zstd is None:  # not damaged: undecodable here (another process may decode it)
+            return rejected("no_codec")
         slot = self.slot_bytes
         if byte_planes and slot % 2:
             return rejected("codec")

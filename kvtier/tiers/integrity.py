@@ -131,7 +131,7 @@ RUN_FINGERPRINT_BYTES = 32
 #: Every reason a stored chunk can be rejected for (the label values of the rejection counters).
 REJECT_REASONS: tuple[str, ...] = (
     "short", "long", "bad_trailer", "old_version", "checksum", "wrong_chunk", "unverified", "not_regular",
-    "undecryptable", "no_key", "codec", "unencrypted",
+    "undecryptable", "no_key", "codec", "no_codec", "unencrypted",
 )
 FORMAT_VERSION_CODED = 3
 FLAG_ZSTD = 0x1  # the stored bytes (after decryption) are one zstd frame

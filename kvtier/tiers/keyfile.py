@@ -13,10 +13,10 @@ with a new id, switch ``key_id`` to it, and keep the old line until the chunks e
 are gone (a chunk whose key id is no longer in the file is a miss, then rewritten with the current
 key).
 
-The file must be a regular file (a symbolic link is refused) that neither group nor others may
-read or write (mode ``0600`` or ``0400``); anything else is a :class:`~kvtier.errors.ConfigError`
-at tier open. Key bytes never appear in ``repr``, ``str``, errors or logs: messages name the file
-and the line number, never a line's text.
+The file must be a regular file (a symbolic link is refused) owned by the process's user (or
+root) that neither group nor others may read or write (mode ``0600`` or ``0400``); anything else
+is a :class:`~kvtier.errors.ConfigError` at tier open. Key bytes never appear in ``repr``,
+``str``, errors or logs: messages name the file and the line number, never a line's text.
 """
 
 from __future__ import annotations
@@ -106,6 +106,10 @@ def load_key_file(path: str | os.PathLike[str], *, where: str = "encryption.key_
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ConfigError(f"{where}: {name!r} is not a regular file")
+        if st.st_uid not in (os.geteuid(), 0):
+            # Whoever owns it can read or replace the keys: decrypt the cache, forge chunks.
+            raise ConfigError(f"{where}: {name!r} is owned by uid {st.st_uid}, not by this process's user "
+                              f"(uid {os.geteuid()}) or root; chown it")
         if st.st_mode & 0o077:
             raise ConfigError(f"{where}: {name!r} is accessible by group or others (mode "
                               f"{stat.S_IMODE(st.st_mode):04o}); make it owner-only: chmod 600")

@@ -340,9 +340,9 @@ class ObjectStoreTier(SecondaryTier):
         tunables.setdefault("max_concurrent_loads", self.io_threads)
         tunables.setdefault("max_concurrent_stores", self.io_threads)
         tunables.setdefault("lookup_timeout_s", float(tier_option(config, "lookup_timeout_s")))
-        geometry_dtype = getattr(context.geometry, "dtype", None) or "fp8"  # no geometry: lookup-only tests
         self.codec = ChunkCodec.from_options(tier_option(config, "compression"), tier_option(config, "encryption"),
-                                             dtype=geometry_dtype, slot_bytes=context.slot_bytes, where=f"{where}.")
+                                             dtype=ChunkCodec.dtype_of(context.run_fields),
+                                             slot_bytes=context.slot_bytes, where=f"{where}.")
         super().__init__(config, context, **tunables)
         self.namespace: Namespace = namespace(self.prefix, context.run_fields, context.rank)
         self.breaker = CircuitBreaker(self.breaker_threshold, self.breaker_open_s)
@@ -563,7 +563,7 @@ class ObjectStoreTier(SecondaryTier):
         dst[:] = bytes(len(dst))  # never leave bytes that failed verification in a host slot
         if reason == "unverified":  # not ours to delete: vLLM may be using it
             raise ChunkNotFound(f"object {name} has no trailer; refused (accept_unverified_chunks is off)")
-        if reason in ("unencrypted", "no_key"):  # another configuration's, not damaged: the next store overwrites it
+        if reason in ("unencrypted", "no_key", "no_codec"):  # not damaged, another configuration's: a store overwrites it
             raise ChunkNotFound(f"object {name} refused ({reason}); left in place")
         logger.warning("tier %s: object %s rejected (%s); deleting it", self.label, name, reason)
         try:

@@ -120,3 +120,10 @@ def test_bad_codec_values_are_refused(section: str, value: Any, words: str) -> N
 def test_a_trailing_newline_is_not_a_valid_label(key: str, value: Any) -> None:
     with pytest.raises(ConfigError, match=key):
         EngineConfig.from_dict({"cpu_bytes_to_use": 1 << 30, key: value})
+
+
+def test_unverified_chunks_cannot_be_accepted_by_a_tier_that_encrypts() -> None:
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]\.accept_unverified_chunks.*encrypts"):
+        EngineConfig.from_dict(tiering(**FS, accept_unverified_chunks=True, encryption={"key_file": "/k", "key_id": 1}))
+    # Decrypt-only (key_id null) writes plain chunks and may read trailer-less ones.
+    EngineConfig.from_dict(tiering(**FS, accept_unverified_chunks=True, encryption={"key_file": "/k", "key_id": None}))

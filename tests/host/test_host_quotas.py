@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from kvtier.context import RequestContext
+from kvtier.errors import ConfigError
 from kvtier.host.tier import HostTier
 from kvtier.metrics import EngineMetrics
 from kvtier.policies.lru import LRUPolicy
@@ -181,3 +182,8 @@ def test_metric_labels_are_the_configured_tenants_and_default_only(caplog: pytes
     assert salt not in text and salt.upper() not in text
     assert salt.upper() not in caplog.text and salt not in caplog.text
     assert "ignoring tenant" in caplog.text
+
+
+def test_a_budget_below_one_chunk_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=rf"tenant_cpu_bytes\.a = {SLOT - 1}: less than one chunk"):
+        HostTier(10, SLOT, tenant_budgets={"b": SLOT, "a": SLOT - 1})

@@ -365,15 +365,8 @@ def test_no_key_without_encryption_options(coded: tuple[ChunkCodec, bytes]) -> N
         assert decode(make(ZSTD, None), image)[0].reason == "no_key"
 
 
-def test_missing_zstandard_makes_compressed_chunks_a_codec_miss(monkeypatch: pytest.MonkeyPatch) -> None:
-    image = encode(make(ZSTD, None), kv_like("bfloat16"))
-    monkeypatch.setitem(sys.modules, "zstandard", None)
-    reader = ChunkCodec.reader(dtype="bfloat16", slot_bytes=SLOT)
-    assert decode(reader, image)[0].reason == "codec"
-
-
 def test_reasons_are_registered() -> None:
-    for reason in ("undecryptable", "no_key", "codec", "unencrypted"):
+    for reason in ("undecryptable", "no_key", "codec", "no_codec", "unencrypted"):
         assert reason in integrity.REJECT_REASONS
         assert integrity.rejected(reason).reason == reason
 
@@ -464,3 +457,22 @@ def test_keys_never_in_repr_str_errors_or_logs(key_file: str, caplog: pytest.Log
     with pytest.raises(TypeError):
         pickle.dumps(keyring)
     assert parse_keys(f"5:{HEX1}").ids == (5,)
+
+
+def test_compressed_chunks_without_zstandard_are_no_codec_not_damaged(monkeypatch: pytest.MonkeyPatch) -> None:
+    writer = make(ZSTD, None)
+    image = encode(writer, kv_like("bfloat16"))
+    assert len(image) < SLOT  # compressed
+    monkeypatch.setitem(sys.modules, "zstandard", None)
+    reader = ChunkCodec.reader(dtype="bfloat16", slot_bytes=SLOT)
+    verdict, slot = decode(reader, image)
+    assert (verdict.ok, verdict.reason) == (False, "no_codec") and slot == bytes(SLOT)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root (CI runs as root)")
+def test_a_key_file_another_user_owns_is_refused(tmp_path: Path) -> None:
+    path = write_key_file(tmp_path / "keys", f"1:{HEX1}\n")
+    os.chown(path, 65534, 65534)  # mode 0600, but the other user can read and replace the keys
+    with pytest.raises(ConfigError, match="owned by uid 65534") as err:
+        make(None, path)
+    assert HEX1 not in str(err.value)

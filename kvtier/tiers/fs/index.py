@@ -328,11 +328,14 @@ class ChunkIndex:
         self.add(key, size)
         return victims
 
-    def reserve_all(self, keys: Sequence[bytes], size: int) -> tuple[list[bool | TierIOError], list[tuple[bytes, float]]]:
+    def reserve_all(self, keys: Sequence[bytes], size: int, *, held_at_any_size: bool = False
+                    ) -> tuple[list[bool | TierIOError], list[tuple[bytes, float]]]:
         """A store job's bookkeeping before its I/O, in one call: per key in job order, ``False``
-        when the key is held at ``size`` already (it becomes the most recent), ``True`` when
-        :meth:`reserve` counted it now, or the ``TierIOError`` that reservation raised. Every key
-        not failed is pinned. Also returns the victims of all the reservations (see :meth:`reserve`)."""
+        when the key is held at ``size`` already — at any size with ``held_at_any_size`` (a tier
+        whose files' sizes vary: the write finds the file there, or replaces it and then counts
+        its size with :meth:`add`) — (it becomes the most recent), ``True`` when :meth:`reserve`
+        counted it now, or the ``TierIOError`` that reservation raised. Every key not failed is
+        pinned. Also returns the victims of all the reservations (see :meth:`reserve`)."""
         outcomes: list[bool | TierIOError] = []
         victims: list[tuple[bytes, float]] = []
         busy, sizes, capacity = self._busy, self._size, self.capacity
@@ -340,7 +343,7 @@ class ChunkIndex:
         seen = 0.0
         for key in keys:
             slot = self._find(key)
-            if slot >= 0 and sizes[slot] == size:
+            if slot >= 0 and (sizes[slot] == size or held_at_any_size):
                 self._unlink(slot)
                 self._push_hot(slot)
                 outcomes.append(False)
@@ -634,9 +637,9 @@ class TenantChunkIndex(ChunkIndex):
 
     # ------------------------------------------------------------------ pools
     def note_writers(self, keys: Iterable[bytes], pool: int) -> None:
-        """Chunks ``keys`` are about to be stored for ``pool`` (a submitted store job)."""
-        if pool == DEFAULT_POOL:
-            return
+        """Chunks ``keys`` are about to be stored for ``pool`` (a submitted store job). A later job's
+        note replaces an earlier one's (``"default"`` included), so a job that never ran charges
+        nothing to its tenant once another has been submitted for the key."""
         writers = self._writers
         for key in keys:
             writers.pop(key, None)
@@ -700,14 +703,15 @@ class TenantChunkIndex(ChunkIndex):
             self._charging = DEFAULT_POOL
         return victims
 
-    def reserve_all(self, keys: Sequence[bytes], size: int) -> tuple[list[bool | TierIOError], list[tuple[bytes, float]]]:
+    def reserve_all(self, keys: Sequence[bytes], size: int, *, held_at_any_size: bool = False
+                    ) -> tuple[list[bool | TierIOError], list[tuple[bytes, float]]]:
         """:meth:`ChunkIndex.reserve_all`, each key through this class's :meth:`reserve`."""
         outcomes: list[bool | TierIOError] = []
         victims: list[tuple[bytes, float]] = []
         busy = self._busy
         for key in keys:
             slot = self._find(key)
-            if slot >= 0 and self._size[slot] == size:
+            if slot >= 0 and (self._size[slot] == size or held_at_any_size):
                 self._writers.pop(key, None)
                 self._unlink(slot)
                 self._push_hot(slot)

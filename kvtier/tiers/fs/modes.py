@@ -14,7 +14,8 @@ Semantics callers rely on:
 * Files and directories that already exist are never changed (an older version's ``0o644`` /
   ``0o755`` stay until an operator changes them).
 * The umask is read once, when a :class:`Modes` is made (a tier makes one when it is built): a
-  process that changes its umask later keeps the modes it was made with.
+  process that tightens its umask later may create entries without group bits the new umask
+  strips (never with more than the configured mode).
 
 Modes are not a security boundary by themselves: they keep other local users out; a default
 ACL on ``root_dir`` (if any) still applies as the kernel defines it.

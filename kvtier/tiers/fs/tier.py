@@ -127,6 +127,10 @@ _MAX_EXPECTED_ENTRIES = 1 << 22
 # ------------------------------------------------------------------------------------------------
 
 
+#: Rejections whose file stays where it is: not damaged, only unusable by this process.
+_LEFT_IN_PLACE = frozenset({"unverified", "no_codec"})
+
+
 def _load_verified(dir_fd: int, fingerprint: bytes, o_direct: bool, accept_unverified: bool, codec: ChunkCodec,
                    key: bytes, dst: memoryview) -> Verdict:
     """Read chunk ``key`` into ``dst`` and verify it is that chunk of this run, intact (a coded
@@ -134,7 +138,9 @@ def _load_verified(dir_fd: int, fingerprint: bytes, o_direct: bool, accept_unver
     with the file's size).
 
     On rejection ``dst`` is zeroed and the file removed — except a trailer-less file refused as
-    ``unverified``, which is left alone (it may be another program's, such as vLLM's).
+    ``unverified`` (it may be another program's, such as vLLM's) and a compressed one this process
+    cannot decode (``no_codec``: ``zstandard`` missing here, not in the processes that wrote it),
+    which are left alone.
     """
     relpath = Namespace.chunk_relpath(key)
     verdict = chunks.load_chunk(dir_fd, relpath, dst, identity(key, fingerprint), o_direct=o_direct,
@@ -143,7 +149,7 @@ def _load_verified(dir_fd: int, fingerprint: bytes, o_direct: bool, accept_unver
         # Defence in depth: the manager frees the slot on failure, but never leave bytes that
         # failed verification where they could be mistaken for a chunk.
         dst[:] = bytes(len(dst))
-        if verdict.reason != "unverified":
+        if verdict.reason not in _LEFT_IN_PLACE:
             try:
                 chunks.remove_file(dir_fd, relpath)
             except OSError as exc:
@@ -253,7 +259,7 @@ class FileSystemTier(SecondaryTier):
         #: still reads compressed chunks (a cache written with compression stays readable).
         self.codec = ChunkCodec.from_options(
             tier_option(config, "compression"), tier_option(config, "encryption"),
-            dtype=getattr(context.geometry, "dtype", None) or "fp8",  # no geometry: lookup-only tests
+            dtype=ChunkCodec.dtype_of(context.run_fields),
             slot_bytes=context.slot_bytes, where=f"secondary_tiers[{context.index}].")
         # What a store reserves per chunk before it knows the file's size: the largest file the
         # codec writes (an encrypted chunk takes a page more than a plain one). The index then
@@ -277,6 +283,11 @@ class FileSystemTier(SecondaryTier):
         self.namespace: Namespace = namespace(self.root_dir, context.run_fields, context.rank)
         expected = 0 if self.max_bytes is None else self.max_bytes // stored_size(context.slot_bytes)
         tenant_bytes = tier_option(config, "tenant_bytes")
+        for label, budget in (tenant_bytes or {}).items():
+            if budget < self._reserve_bytes:  # it would refuse every store of its tenant
+                raise ConfigError(f"secondary_tiers[{context.index}].tenant_bytes.{label} = {budget}: less than one "
+                                  f"chunk ({self._reserve_bytes} bytes on disk); give at least that, or leave the "
+                                  "tenant out")
         self.index: ChunkIndex = ChunkIndex(self.max_bytes, expected_entries=min(expected, _MAX_EXPECTED_ENTRIES)) \
             if tenant_bytes is None else TenantChunkIndex(  # tenant quotas: kvtier.policies.quotas
                 self.max_bytes, TenantQuotas(tenant_bytes, TenantFamilies(self.add_metric)),
@@ -407,8 +418,9 @@ class FileSystemTier(SecondaryTier):
             # or read-only disk, mkdir may fail before it finds the directory there).
             if not os.path.isdir(self.root_dir):
                 os.mkdir(self.root_dir, self.modes.dir)
-                if self.modes.fix_dir:
-                    root_fd = os.open(self.root_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
+                if self.modes.fix_dir:  # the directory just made, never what a link swapped in points to
+                    root_fd = os.open(self.root_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC
+                                      | os.O_NOFOLLOW)
                     try:
                         self.modes.settle_dir(root_fd)
                     finally:
@@ -583,7 +595,11 @@ class FileSystemTier(SecondaryTier):
         outcomes: list[BaseException | None] = [None] * len(items)
         earlier_deletions = list(self._deletions)
         # The index is asked once per job, before the I/O and after it (not per chunk).
-        reservations, victims = self.index.reserve_all([key for key, _ in items], self._reserve_bytes)
+        coded = self.codec.active
+        # A chunk held already is rewritten only when the codec makes another file of it (an
+        # option changed): counted at that size once written, never reserved anew for nothing.
+        reservations, victims = self.index.reserve_all([key for key, _ in items], self._reserve_bytes,
+                                                       held_at_any_size=coded)
         calls: list[tuple[bytes, memoryview]] = []
         started: list[tuple[int, bool]] = []  # (item index, newly reserved)
         for i, reserved in enumerate(reservations):
@@ -595,7 +611,6 @@ class FileSystemTier(SecondaryTier):
         self._report_evictions(victims)
         self._publish_usage()
         results: list[int | BaseException] | None = None
-        coded = self.codec.active
         if coded:
             store = partial(_store_coded, self.codec, self._dir_fd, self.namespace.fingerprint, self.o_direct, self.modes)
         else:
@@ -621,6 +636,8 @@ class FileSystemTier(SecondaryTier):
                 self._settle_coded_sizes(calls, results)
             self.index.unpin_all([key for key, _ in calls])
             self._publish_usage()
+        if coded and self.max_bytes is not None and self.index.used > self.max_bytes:
+            await self._evict_over_capacity()  # a held chunk rewritten larger (an option changed)
         return outcomes
 
     def _settle_coded_sizes(self, calls: Sequence[tuple[bytes, memoryview]], results: Sequence[int | BaseException]) -> None:
@@ -679,10 +696,15 @@ class FileSystemTier(SecondaryTier):
             if result.reason == "unverified":  # left in place: it may be another program's file
                 return TierIOError("unverified", f"chunk file {relpath} has no trailer; refused "
                                    "(accept_unverified_chunks is off)")
+            if result.reason == "no_codec":  # left in place: whoever wrote it can read it
+                return TierIOError("no_codec", f"chunk file {relpath} is compressed and zstandard is not installed "
+                                   "here (pip install 'kvtier[compression]')")
             self.index.remove(key)
             self.sync.invalidate(key)  # if its removal failed, the next pass re-adds it
             return ChunkCorrupt(f"chunk file {relpath} rejected: {result.reason}")
-        if isinstance(result, chunks.CodedVerdict):  # a coded file, decoded: counted at its size
+        if isinstance(result, chunks.CodedVerdict):  # read through the codec: counted at its file's size
+            if not result.verified:
+                self._unverified.inc()  # a trailer-less file of exactly one slot, accepted on request
             if self.index.size_of(key) == result.file_size:
                 self.index.touch(key)
             else:

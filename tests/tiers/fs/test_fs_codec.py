@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import struct
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -266,3 +267,36 @@ async def test_a_key_rotation_reads_old_chunks_and_writes_new_ones_with_the_new_
         assert (await load(rotated, [0])).success and host_bytes(host, 0) == expected(0)
         assert (await store(rotated, host, [1])).success
         assert (await load(rotated, [1])).success and host_bytes(host, 0) == expected(1)
+
+
+@pytest.mark.anyio
+async def test_a_compressed_chunk_this_process_cannot_decode_is_a_miss_left_in_place(
+    tmp_path: Path, host: SlotBuffer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "cache"
+    writer = make_tier(root, host, compression=ZSTD)
+    async with running(writer):
+        assert (await store(writer, host, [0, 1])).success
+    files = {f: f.read_bytes() for f in bin_files(root)}
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # a process installed without the extra
+    reader = make_tier(root, host)
+    async with running(reader):
+        result = await load(reader, [0, 1])
+        assert not result.success and result.failure_reason == "no_codec"
+        assert all(host_bytes(host, s) == bytes(SLOT) for s in range(2))
+        assert metric(reader, "fs_rejected_chunks")[("no_codec",)] == 2
+    assert {f: f.read_bytes() for f in bin_files(root)} == files  # not damaged: nothing removed
+
+
+@pytest.mark.anyio
+async def test_storing_chunks_held_compressed_again_evicts_nothing(tmp_path: Path, host: SlotBuffer) -> None:
+    root = tmp_path / "cache"
+    tier = make_tier(root, host, compression=ZSTD, max_bytes=3 * FILE)
+    async with running(tier):
+        for i in range(6):  # compressed: six fit where three plain files would
+            assert (await store(tier, host, [i])).success
+        assert len(bin_files(root)) == 6 and tier.statistics().evictions == 0
+        used = tier.index.used
+        assert (await store(tier, host, [0, 1, 2])).success  # held already: nothing to make room for
+        assert len(bin_files(root)) == 6 and tier.statistics().evictions == 0
+        assert tier.index.used == used == sum(f.stat().st_size for f in bin_files(root))

@@ -8,6 +8,7 @@ import pytest
 from fs_tiers import SLOT, bin_files, finish, job_ids, key_of, make_tier, metric, running
 
 from kvtier.context import RequestContext
+from kvtier.errors import ConfigError
 from kvtier.host.slots import SlotBuffer
 from kvtier.policies.quotas import TenantQuotas
 from kvtier.tiers.base import TransferJob
@@ -154,5 +155,14 @@ async def test_store_jobs_are_charged_to_their_request_s_tenant(tmp_path) -> Non
             labels = {v for name in ("tenant_bytes_used", "tenant_evictions", "tenant_refused_stores")
                       for v, in metric(tier, name)}
             assert labels == {"a", "default"}
+    finally:
+        host.close()
+
+
+def test_a_budget_below_one_chunk_file_is_a_config_error(tmp_path) -> None:
+    host = SlotBuffer(8, SLOT, pin_memory=False)
+    try:
+        with pytest.raises(ConfigError, match=r"tenant_bytes\.a = \d+: less than one chunk"):
+            make_tier(tmp_path, host, tenant_bytes={"a": SLOT})  # a chunk file is the slot and its trailer page
     finally:
         host.close()
