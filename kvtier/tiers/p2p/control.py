@@ -79,6 +79,8 @@ from kvtier.tiers.p2p.protocol import MAX_FRAME_BYTES, Message, ProtocolError, d
 __all__ = ["ControlPlane", "ControlStatistics", "CurveKeys", "PeerDown", "PeerUnavailable"]
 
 logger = logging.getLogger(__name__)
+#: How long closing waits for the ZMQ context beyond the linger time.
+_TERM_GRACE_S = 5.0
 
 _MAX_LINGER_MS: Final = 500
 _RECV_BUDGET: Final = 64  # rejected frames handled before recv() yields to the loop
@@ -326,8 +328,15 @@ class ControlPlane:
             self._authenticator = None
         ctx, self._ctx = self._ctx, None
         if ctx is not None:
-            # term() waits for lingering DEALERs (bounded by linger_s): off the event loop.
-            await asyncio.to_thread(ctx.term)
+            # term() waits for lingering DEALERs (bounded by linger_s): off the event loop. Closing
+            # never hangs on it: a term() that outlives that (a socket libzmq still holds) is left
+            # to finish on its thread.
+            term = asyncio.ensure_future(asyncio.to_thread(ctx.term))
+            try:
+                await asyncio.wait_for(asyncio.shield(term), self._linger_ms / 1000 + _TERM_GRACE_S)
+            except asyncio.TimeoutError:
+                logger.warning("p2p control: the ZMQ context did not terminate within %.1f s of closing; "
+                               "left to finish in the background", self._linger_ms / 1000 + _TERM_GRACE_S)
 
     # ------------------------------------------------------------------ peers
 
