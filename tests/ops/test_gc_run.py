@@ -8,11 +8,11 @@ import io
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 import anyio
 import pytest
 from fs_tiers import GEOMETRY, SLOT, running, store
+from test_ops import cli, cli_json  # noqa: E402
 
 from kvtier.config import TierConfig
 from kvtier.host.slots import SlotBuffer
@@ -45,16 +45,6 @@ def build(root: Path, ids: list[int], *, revision: str | None = None, tag: str |
 
     anyio.run(main)
     return namespace(str(root), fields, rank)
-
-
-def cli(fn: Any, *argv: str) -> tuple[int, str]:
-    out = io.StringIO()
-    return fn(list(argv), out=out), out.getvalue()
-
-
-def cli_json(fn: Any, *argv: str) -> tuple[int, dict[str, Any]]:
-    status, text = cli(fn, *argv, "--json")
-    return status, json.loads(text)
 
 
 def files_under(path: Path) -> int:
