@@ -45,17 +45,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from fs_tier import CHUNKS_PER_JOB, run_tier_jobs  # noqa: E402  (benchmarks/fs_tier.py: one way to drive a tier)
+
 from kvtier.bench.model import DeviceBlockPool, ModelConfig, TinyDecoder
 from kvtier.config import TierConfig
 from kvtier.host.slots import SlotBuffer
 from kvtier.keys import make_offload_key
 from kvtier.layout import KVGeometry
-from kvtier.tiers.base import JobResult, TierContext, TransferJob
+from kvtier.tiers.base import TierContext
 from kvtier.tiers.codec import ChunkCodec
 from kvtier.tiers.fs.tier import FileSystemTier
 from kvtier.tiers.integrity import identity
 
-CHUNKS_PER_JOB = 64
 GiB = float(1 << 30)
 RUN = hashlib.sha256(b"compression-bench").digest()
 
@@ -187,27 +188,9 @@ async def fs_round(root: Path, host: SlotBuffer, geometry: KVGeometry, options: 
     keys = [make_offload_key(hashlib.sha256(f"{tag}-{i}".encode()).digest()) for i in range(jobs * CHUNKS_PER_JOB)]
 
     async def run_jobs(is_promotion: bool) -> float:
-        wake = anyio.Event()
-
-        def wakeup() -> None:
-            wake.set()
-
-        tier.set_wakeup(wakeup)
         start = time.perf_counter()
-        for j in range(jobs):
-            job_keys = keys[j * CHUNKS_PER_JOB:(j + 1) * CHUNKS_PER_JOB]
-            slots = [(j * CHUNKS_PER_JOB + i) % host.num_slots for i in range(CHUNKS_PER_JOB)]
-            (tier.submit_load if is_promotion else tier.submit_store)(
-                TransferJob(j + (1000 if is_promotion else 0), job_keys, slots, is_promotion))
-        results: list[JobResult] = []
-        while len(results) < jobs:
-            await wake.wait()
-            wake = anyio.Event()
-            results += tier.get_finished_jobs()
-        elapsed = time.perf_counter() - start
-        if not all(r.success for r in results):
-            raise RuntimeError(f"{tag}: job failed: {[r.failure_reason for r in results]}")
-        return elapsed
+        await run_tier_jobs(tier, host, keys, jobs, is_promotion)
+        return time.perf_counter() - start
 
     async with anyio.create_task_group() as tg:
         await tg.start(tier.run)

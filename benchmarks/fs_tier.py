@@ -96,7 +96,7 @@ from kvtier.config import TierConfig
 from kvtier.host.slots import SlotBuffer
 from kvtier.keys import make_offload_key
 from kvtier.layout import KVGeometry, namespace
-from kvtier.tiers.base import JobResult, TierContext, TransferJob
+from kvtier.tiers.base import TierContext, TransferJob
 from kvtier.tiers.fs import chunks
 from kvtier.tiers.fs import tier as fs_tier_module
 from kvtier.tiers.fs.pool import usable_cpus
@@ -293,6 +293,31 @@ def vllm_round(vllm: VllmFs, root: Path, host: SlotBuffer, geometry: KVGeometry,
     return store, load, o_direct
 
 
+async def run_tier_jobs(tier: FileSystemTier, host: SlotBuffer, keys: list[bytes], jobs: int,
+                        is_promotion: bool) -> None:
+    """Submit ``jobs`` jobs of 64 chunks of ``keys`` (stores, or loads with ``is_promotion``) and
+    wait, woken by the tier, until every one is reported; RuntimeError when one failed."""
+    wake = anyio.Event()
+
+    def wakeup() -> None:
+        wake.set()
+
+    tier.set_wakeup(wakeup)
+    for j in range(jobs):
+        slots = [(j * CHUNKS_PER_JOB + i) % host.num_slots for i in range(CHUNKS_PER_JOB)]
+        job = TransferJob(j + (1000 if is_promotion else 0), keys[j * CHUNKS_PER_JOB:(j + 1) * CHUNKS_PER_JOB],
+                          slots, is_promotion)
+        (tier.submit_load if is_promotion else tier.submit_store)(job)
+    done = 0
+    while done < jobs:
+        await wake.wait()
+        wake = anyio.Event()
+        results = tier.get_finished_jobs()
+        if not all(r.success for r in results):
+            raise RuntimeError(f"benchmark job failed: {[r.failure_reason for r in results]}")
+        done += len(results)
+
+
 async def tier_round(root: Path, host: SlotBuffer, geometry: KVGeometry, jobs: int, threads: int,
                      tag: str, buffered: bool) -> tuple[Timing, Timing, bool]:
     """``jobs`` store jobs then ``jobs`` load jobs of 64 chunks through the tier."""
@@ -306,28 +331,10 @@ async def tier_round(root: Path, host: SlotBuffer, geometry: KVGeometry, jobs: i
     keys = trial_keys(tag, jobs * CHUNKS_PER_JOB)
 
     async def run_jobs(is_promotion: bool) -> Timing:
-        wake = anyio.Event()
-
-        def wakeup() -> None:
-            wake.set()
-
-        tier.set_wakeup(wakeup)
         os.sync()
         watch = Stopwatch()
-        for j in range(jobs):
-            job_keys = keys[j * CHUNKS_PER_JOB:(j + 1) * CHUNKS_PER_JOB]
-            slots = [(j * CHUNKS_PER_JOB + i) % host.num_slots for i in range(CHUNKS_PER_JOB)]
-            job = TransferJob(j + (1000 if is_promotion else 0), job_keys, slots, is_promotion)
-            (tier.submit_load if is_promotion else tier.submit_store)(job)
-        results: list[JobResult] = []
-        while len(results) < jobs:
-            await wake.wait()
-            wake = anyio.Event()
-            results += tier.get_finished_jobs()
-        elapsed = watch.stop()
-        if not all(r.success for r in results):
-            raise RuntimeError(f"benchmark job failed: {[r.failure_reason for r in results]}")
-        return elapsed
+        await run_tier_jobs(tier, host, keys, jobs, is_promotion)
+        return watch.stop()
 
     with forced_buffered(buffered):
         async with anyio.create_task_group() as tg:
@@ -609,27 +616,10 @@ async def profile_round(root: Path, host: SlotBuffer, geometry: Any, args: argpa
     out: dict[str, dict[str, float]] = {}
 
     async def run(is_promotion: bool) -> dict[str, float]:
-        wake = anyio.Event()
-
-        def wakeup() -> None:
-            wake.set()
-
-        tier.set_wakeup(wakeup)
         os.sync()
         clock.reset()
         loop0, cpu0 = time.thread_time(), time.process_time()
-        for j in range(args.jobs):
-            slots = [(j * CHUNKS_PER_JOB + i) % host.num_slots for i in range(CHUNKS_PER_JOB)]
-            job = TransferJob(j + (1000 if is_promotion else 0), keys[j * 64:(j + 1) * 64], slots, is_promotion)
-            (tier.submit_load if is_promotion else tier.submit_store)(job)
-        done = 0
-        while done < args.jobs:
-            await wake.wait()
-            wake = anyio.Event()
-            results = tier.get_finished_jobs()
-            if not all(r.success for r in results):
-                raise RuntimeError(f"profile job failed: {[r.failure_reason for r in results]}")
-            done += len(results)
+        await run_tier_jobs(tier, host, keys, args.jobs, is_promotion)
         loop_cpu, cpu = time.thread_time() - loop0, time.process_time() - cpu0
         totals = clock.totals()
         us = {stage: 1e6 * seconds / n for stage, seconds in totals.items()}
