@@ -11,9 +11,6 @@ from __future__ import annotations
 import math
 import os
 import random
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +21,7 @@ import pytest
 import torch
 import zmq
 import zmq.auth
+from warm_fakes import FakeEngine, serving
 
 import kvtier
 from kvtier import ConfigError, KVGeometry
@@ -33,45 +31,6 @@ from kvtier.errors import EngineClosedError
 from kvtier.ops.warm_cmd import WarmupError, warm
 
 SALT = "tenant-secret-salt-1234"
-
-
-@dataclass
-class Outcome:
-    tokens: int
-    chunks_by_tier: dict[str, int] = field(default_factory=dict)
-    pending: int = 0
-    timed_out: bool = False
-
-
-class FakeEngine:
-    """Records each prefetch call; ``gate`` (when set) holds every call until it is set."""
-
-    def __init__(self, behaviour: Callable[[dict[str, Any]], Any] | None = None) -> None:
-        self.calls: list[dict[str, Any]] = []
-        self.gate: anyio.Event | None = None
-        self.entered = 0
-        self.behaviour = behaviour
-
-    async def prefetch(self, token_ids: Any, params: Any = None, **kwargs: Any) -> Outcome:
-        call = {"token_ids": list(token_ids), "params": params, **kwargs}
-        self.calls.append(call)
-        self.entered += 1
-        if self.gate is not None:
-            await self.gate.wait()
-        if self.behaviour is not None:
-            return self.behaviour(call)  # type: ignore[no-any-return]
-        return Outcome(tokens=len(token_ids) // 4 * 4, chunks_by_tier={"1:memory": len(token_ids) // 4})
-
-
-@asynccontextmanager
-async def serving(engine: Any, **options: Any) -> AsyncIterator[WarmupServer]:
-    server = WarmupServer(engine, warmup_options({"port": 0, **options}))
-    async with anyio.create_task_group() as tg:
-        await tg.start(server.run)
-        try:
-            yield server
-        finally:
-            await server.aclose()
 
 
 def raw_exchange(endpoint: str, frames: list[bytes], *, socket_type: int = zmq.DEALER,

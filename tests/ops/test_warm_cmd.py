@@ -10,7 +10,6 @@ import io
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,41 +17,26 @@ import anyio
 import anyio.to_thread
 import pytest
 import zmq.auth
+from warm_fakes import FakeEngine, Outcome
+from warm_fakes import serving as serving_server
 
 from kvtier import cli
-from kvtier.engine.warm_server import WarmupServer, warmup_options
 from kvtier.ops.warm_cmd import WarmupError, run_warm_cli, warm
 
 
-@dataclass
-class Outcome:
-    tokens: int
-    chunks_by_tier: dict[str, int] = field(default_factory=dict)
-    pending: int = 0
-    timed_out: bool = False
-
-
-class FakeEngine:
-    def __init__(self) -> None:
-        self.calls: list[dict[str, Any]] = []
-
-    async def prefetch(self, token_ids: Any, params: Any = None, **kwargs: Any) -> Outcome:
-        self.calls.append({"token_ids": list(token_ids), "params": params, **kwargs})
-        if kwargs.get("tiers") == ["nvme"]:
-            raise ValueError("tiers[0] = 'nvme' names no tier of this engine (its tiers: 1:fs)")
-        return Outcome(tokens=len(token_ids), chunks_by_tier={"1:fs": 1}, pending=1, timed_out=True)
+def fs_tier_outcome(call: dict[str, Any]) -> Outcome:
+    """The engine of these tests: one fs tier; a prefetch naming another tier is refused."""
+    if call.get("tiers") == ["nvme"]:
+        raise ValueError("tiers[0] = 'nvme' names no tier of this engine (its tiers: 1:fs)")
+    return Outcome(tokens=len(call["token_ids"]), chunks_by_tier={"1:fs": 1}, pending=1, timed_out=True)
 
 
 @asynccontextmanager
 async def serving(engine: FakeEngine, **options: Any) -> AsyncIterator[str]:
-    server = WarmupServer(engine, warmup_options({"port": 0, **options}))
-    async with anyio.create_task_group() as tg:
-        await tg.start(server.run)
-        try:
-            assert server.endpoint is not None
-            yield server.endpoint
-        finally:
-            await server.aclose()
+    """The endpoint of a warm-up server for ``engine``."""
+    async with serving_server(engine, **options) as server:
+        assert server.endpoint is not None
+        yield server.endpoint
 
 
 async def cli_in_thread(*argv: str) -> tuple[int, list[dict[str, Any]]]:
@@ -69,7 +53,7 @@ def tokens_file(tmp_path: Path, content: Any, name: str = "tokens.json") -> str:
 
 @pytest.mark.anyio
 async def test_the_cli_prints_the_outcome_as_one_json_line(tmp_path: Path) -> None:
-    engine = FakeEngine()
+    engine = FakeEngine(fs_tier_outcome)
     salt = tmp_path / "salt"
     salt.write_text("tenant-a-salt\n")
     tokens = tokens_file(tmp_path, {"token_ids": [5, 6, 7, 8], "mm_items": [["img", 0, 2]]})
@@ -90,7 +74,7 @@ async def test_the_cli_prints_the_outcome_as_one_json_line(tmp_path: Path) -> No
 @pytest.mark.anyio
 async def test_the_verb_is_dispatched_by_kvtier_main(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     tokens = tokens_file(tmp_path, [1, 2, 3, 4])
-    async with serving(FakeEngine()) as endpoint:
+    async with serving(FakeEngine(fs_tier_outcome)) as endpoint:
         rc = await anyio.to_thread.run_sync(lambda: cli.main(["warm", endpoint, "--tokens-file", tokens]))
     out = capsys.readouterr().out
     assert rc == 0 and json.loads(out)["type"] == "outcome"
@@ -99,7 +83,7 @@ async def test_the_verb_is_dispatched_by_kvtier_main(tmp_path: Path, capsys: pyt
 
 @pytest.mark.anyio
 async def test_an_error_reply_is_printed_and_exits_1(tmp_path: Path) -> None:
-    async with serving(FakeEngine(), max_tokens=3) as endpoint:
+    async with serving(FakeEngine(fs_tier_outcome), max_tokens=3) as endpoint:
         rc, lines = await cli_in_thread(endpoint, "--tokens-file", tokens_file(tmp_path, [1, 2, 3, 4]))
         assert rc == 1 and lines[0]["type"] == "error" and lines[0]["code"] == "too_large"
         rc, lines = await cli_in_thread(endpoint, "--tokens-file", tokens_file(tmp_path, [1]), "--tier", "nvme")
@@ -108,7 +92,7 @@ async def test_an_error_reply_is_printed_and_exits_1(tmp_path: Path) -> None:
 
 @pytest.mark.anyio
 async def test_no_reply_exits_1_with_the_reason_on_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    async with serving(FakeEngine()) as endpoint:
+    async with serving(FakeEngine(fs_tier_outcome)) as endpoint:
         pass  # closed: nothing listens there any more
     rc, lines = await cli_in_thread(endpoint, "--tokens-file", tokens_file(tmp_path, [1]), "--timeout", "0.3")
     assert rc == 1 and lines == []
@@ -157,7 +141,7 @@ async def test_the_client_speaks_curve_to_a_curve_endpoint(tmp_path: Path) -> No
     client_public, client_secret = zmq.auth.create_certificates(tmp_path, "client")
     (allowed / "client.key").write_bytes(Path(client_public).read_bytes())
     tokens = tokens_file(tmp_path, [1, 2, 3, 4])
-    async with serving(FakeEngine(), curve_secret_key_file=server_secret, curve_public_key_file=server_public,
+    async with serving(FakeEngine(fs_tier_outcome), curve_secret_key_file=server_secret, curve_public_key_file=server_public,
                        curve_allowed_clients_dir=str(allowed)) as endpoint:
         rc, lines = await cli_in_thread(endpoint, "--tokens-file", tokens, "--curve-secret-key-file", client_secret,
                                         "--curve-server-key-file", server_public)
