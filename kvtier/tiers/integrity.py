@@ -70,8 +70,9 @@ another run, or with its key id, nonce or flags altered fails to decrypt. :func:
 everything but the codecs (layout, zero padding, identity, checksum); version-3 reasons beyond
 version 2's: ``undecryptable`` (the GCM tag does not verify: wrong key or tampering), ``no_key``
 (the key id is not available to the reader, or the reader has no encryption), ``codec``
-(compressed data that does not decode to exactly the slot) and ``unencrypted`` (a plain chunk
-read by a tier that encrypts: not authentic there).
+(compressed data that does not decode to exactly the slot), ``no_codec`` (a compressed chunk
+where ``zstandard`` is not installed: not damaged) and ``unencrypted`` (a plain chunk read by a
+tier that encrypts: not authentic there).
 
 This module is pure (no I/O): the filesystem tier and the object tier both use it.
 """
