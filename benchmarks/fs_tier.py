@@ -48,8 +48,9 @@ else changes). Per chunk, in µs of CPU time of the thread that ran it (medians 
 * **write** / **read**: the ``pwritev``/``preadv`` (the kernel's copy, or the device with ``O_DIRECT``);
 * **close**: closing the file (and the shard directory);
 * **trailer**: the identity and the trailer page, less its checksum;
-* **checksum**: xxh3-64 of the payload, measured apart on the same slots in the same cache state
-  (cold host slots for a store or an ``O_DIRECT`` load; just after the copy of a page-cache load);
+* **checksum**: xxh3-64 of the payload, timed where the trailer code computes it (the cache
+  state and the contention for the cores are the path's own: cold host slots for a store or an
+  ``O_DIRECT`` load, just copied bytes for a page-cache load);
 * **rename/publish**: the ``renameat`` that publishes a stored chunk;
 * **worker glue**: the rest of the worker's time per chunk (Python between the calls above);
 * **index+accounting**, **metrics**, **loop other**: the event loop's CPU per chunk in the tier's
@@ -96,6 +97,7 @@ from kvtier.config import TierConfig
 from kvtier.host.slots import SlotBuffer
 from kvtier.keys import make_offload_key
 from kvtier.layout import KVGeometry, namespace
+from kvtier.tiers import integrity
 from kvtier.tiers.base import TierContext, TransferJob
 from kvtier.tiers.fs import chunks
 from kvtier.tiers.fs import tier as fs_tier_module
@@ -576,11 +578,17 @@ def instrumented(clock: Clock) -> Iterator[None]:
         return ns
 
     swaps.append((chunks, "os", proxy(os, _os_stage)))
-    swaps.append((chunks, "beneath", proxy(chunks.beneath, _beneath_stage)))
+    timed_beneath = proxy(chunks.beneath, _beneath_stage)
+    make_opener = getattr(chunks.beneath, "opener", None)
+    if make_opener is not None:  # a prepared open (chunks.chunk_loader's) is timed at each call, like open_file
+        timed_beneath.opener = lambda *a, **k: clock.wrap("containment/open", make_opener(*a, **k))
+    swaps.append((chunks, "beneath", timed_beneath))
     for name in ("make_trailer_page", "identity", "trailer_page_for", "write_trailer"):
         if hasattr(fs_tier_module, name):
             swaps.append((fs_tier_module, name, clock.wrap("trailer", getattr(fs_tier_module, name))))
     swaps.append((chunks, "verify", clock.wrap("trailer", chunks.verify)))
+    # The checksum, timed inside the trailer code that computes it (verify, write_trailer).
+    swaps.append((integrity, "_xxh3_64", clock.wrap("checksum", integrity._xxh3_64)))
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in swaps]
     for obj, name, value in swaps:
         setattr(obj, name, value)
@@ -627,7 +635,7 @@ async def profile_round(root: Path, host: SlotBuffer, geometry: Any, args: argpa
         worker_cpu_us = 1e6 * (cpu - loop_cpu) / n
         row = {stage: us.get(stage, 0.0) for stage in ("containment/open", "close", "trailer", "rename/publish")}
         row["write" if not is_promotion else "read"] = us.get("io", 0.0)
-        row["checksum"] = checksum_us(host, slots_of(n, host), after_read=is_promotion and not tier.o_direct)
+        row["checksum"] = us.get("checksum", 0.0)
         # The trailer wrappers time the checksum of a store (and verify's of a load) too.
         row["trailer"] = max(0.0, row["trailer"] - row["checksum"])
         row["worker glue"] = max(0.0, us.get("worker", 0.0) - sum(row.values()))
@@ -640,7 +648,8 @@ async def profile_round(root: Path, host: SlotBuffer, geometry: Any, args: argpa
 
     with forced_buffered(buffered), instrumented(clock):
         # The tier's per-chunk worker functions, timed whole (the glue is what the stages leave).
-        worker_fns = {name: getattr(fs_tier_module, name) for name in ("_store", "_load_verified")}
+        worker_fns = {name: getattr(fs_tier_module, name) for name in ("_store", "_load_slice", "_load_verified")
+                      if hasattr(fs_tier_module, name)}  # _load_verified: the per-chunk load before _load_slice
         for name, fn in worker_fns.items():
             setattr(fs_tier_module, name, clock.wrap("worker", fn))
         try:
@@ -657,25 +666,6 @@ async def profile_round(root: Path, host: SlotBuffer, geometry: Any, args: argpa
             for name, fn in worker_fns.items():
                 setattr(fs_tier_module, name, fn)
     return out
-
-
-def slots_of(n: int, host: SlotBuffer) -> list[int]:
-    return [i % host.num_slots for i in range(n)]
-
-
-def checksum_us(host: SlotBuffer, slots: list[int], *, after_read: bool) -> float:
-    """µs per chunk of xxh3-64 in the state the path meets the bytes: cold host slots (a store,
-    or an O_DIRECT load), or just after the bytes were copied in (a page-cache load: hot)."""
-    views = [host.view(s) for s in slots]
-    scratch = bytearray(host.slot_bytes)
-    total = 0.0
-    for view in views:
-        if after_read:
-            scratch[:] = view  # the copy a page-cache read makes; then the hash, timed alone
-        t = time.thread_time()
-        checksum(memoryview(scratch) if after_read else view)
-        total += time.thread_time() - t
-    return 1e6 * total / len(views)
 
 
 def profile_main(args: argparse.Namespace) -> None:

@@ -287,8 +287,10 @@ class ChunkIndex:
         for key in keys:
             busy[key] = busy.get(key, 0) + 1
 
-    def unpin_all(self, keys: Iterable[bytes]) -> None:
-        busy, now = self._busy, time.monotonic()
+    def unpin_all(self, keys: Iterable[bytes], touch_or_add: int | None = None) -> None:
+        """:meth:`unpin` each key; with ``touch_or_add``, also :meth:`touch_or_add` them with that
+        size (a finished load: one lookup per key for both)."""
+        busy, now, seen = self._busy, time.monotonic(), self._seen
         for key in keys:
             left = busy[key] - 1
             if left:
@@ -297,7 +299,12 @@ class ChunkIndex:
                 del busy[key]
             slot = self._find(key)
             if slot >= 0:
-                self._seen[slot] = now
+                seen[slot] = now
+                if touch_or_add is not None:
+                    self._unlink(slot)
+                    self._push_hot(slot)
+            elif touch_or_add is not None:
+                self.add(key, touch_or_add)
 
     def is_busy(self, key: bytes) -> bool:
         return key in self._busy

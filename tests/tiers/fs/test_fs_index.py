@@ -125,6 +125,17 @@ class IndexModel(RuleBasedStateMachine):
         self.index.unpin(key)
         self.busy[key] -= 1
 
+    @precondition(lambda self: +self.busy)
+    @rule(data=st.data(), size=st.integers(1, 60))
+    def finish_load(self, data: st.DataObject, size: int) -> None:
+        # A load job's end: its keys unpinned and made the most recent in one pass.
+        keys = data.draw(st.lists(st.sampled_from(sorted(+self.busy)), max_size=3, unique=True))
+        self.index.unpin_all(keys, touch_or_add=size)
+        for key in keys:
+            self.busy[key] -= 1
+            self.sizes.setdefault(key, size)
+            self.make_hot(key)
+
     @rule(complete=st.booleans())
     def set_complete(self, complete: bool) -> None:
         self.index.complete = complete
