@@ -578,11 +578,7 @@ def instrumented(clock: Clock) -> Iterator[None]:
         return ns
 
     swaps.append((chunks, "os", proxy(os, _os_stage)))
-    timed_beneath = proxy(chunks.beneath, _beneath_stage)
-    make_opener = getattr(chunks.beneath, "opener", None)
-    if make_opener is not None:  # a prepared open (chunks.chunk_loader's) is timed at each call, like open_file
-        timed_beneath.opener = lambda *a, **k: clock.wrap("containment/open", make_opener(*a, **k))
-    swaps.append((chunks, "beneath", timed_beneath))
+    swaps.append((chunks, "beneath", proxy(chunks.beneath, _beneath_stage)))
     for name in ("make_trailer_page", "identity", "trailer_page_for", "write_trailer"):
         if hasattr(fs_tier_module, name):
             swaps.append((fs_tier_module, name, clock.wrap("trailer", getattr(fs_tier_module, name))))
@@ -648,8 +644,7 @@ async def profile_round(root: Path, host: SlotBuffer, geometry: Any, args: argpa
 
     with forced_buffered(buffered), instrumented(clock):
         # The tier's per-chunk worker functions, timed whole (the glue is what the stages leave).
-        worker_fns = {name: getattr(fs_tier_module, name) for name in ("_store", "_load_slice", "_load_verified")
-                      if hasattr(fs_tier_module, name)}  # _load_verified: the per-chunk load before _load_slice
+        worker_fns = {name: getattr(fs_tier_module, name) for name in ("_store", "_load_verified")}
         for name, fn in worker_fns.items():
             setattr(fs_tier_module, name, clock.wrap("worker", fn))
         try:

@@ -274,7 +274,7 @@ class ChunkCodec:
             out[:slot] = payload
             page = out[slot : slot + TRAILER_PAGE]
             page[: TRAILER_PAGE - TRAILER_SIZE] = _ZERO_PAGE[: TRAILER_PAGE - TRAILER_SIZE]
-            write_trailer(page, payload, chunk_identity)
+            write_trailer(page, payload, chunk_identity[34 : 34 + _key_len(chunk_identity)], chunk_identity[:32])
             return slot + TRAILER_PAGE
         total = coded_file_size(length)
         trailer_at = total - TRAILER_PAGE
@@ -390,6 +390,10 @@ def _decrypt_into(cipher: Any, nonce: bytes, stored: Any, aad: bytes, out: Any) 
         cipher.decrypt_into(nonce, stored, aad, out)
     else:  # pragma: no cover - older cryptography
         out[:] = cipher.decrypt(nonce, bytes(stored), aad)
+
+
+def _key_len(chunk_identity: bytes) -> int:
+    return int.from_bytes(chunk_identity[32:34], "little")
 
 
 _ZERO_PAGE = bytes(2 * TRAILER_PAGE)

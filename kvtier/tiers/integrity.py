@@ -81,7 +81,6 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import xxhash
@@ -202,20 +201,6 @@ def identity(key: bytes, run_fingerprint: bytes) -> bytes:
     return _IDENTITY.pack(run_fingerprint, len(key), key)
 
 
-def identity_packer(run_fingerprint: bytes) -> Callable[[bytes], bytes]:
-    """:func:`identity` with the run bound once: ``pack(key)`` (a chunk store's or load's per-key
-    step); raises ``ValueError`` as :func:`identity` does."""
-    if len(run_fingerprint) != RUN_FINGERPRINT_BYTES:
-        raise ValueError(f"run fingerprint must be {RUN_FINGERPRINT_BYTES} bytes, got {len(run_fingerprint)}")
-    pack = _IDENTITY.pack
-
-    def pack_identity(key: bytes) -> bytes:
-        if len(key) > MAX_KEY_BYTES:
-            raise ValueError(f"offload key of {len(key)} bytes does not fit the trailer ({MAX_KEY_BYTES} max)")
-        return pack(run_fingerprint, len(key), key)
-    return pack_identity
-
-
 def pack_trailer(payload: memoryview | bytes, chunk_identity: bytes) -> bytes:
     """The :data:`TRAILER_SIZE` trailer bytes (identity, then tail) for ``payload``."""
     if len(chunk_identity) != IDENTITY_SIZE:
@@ -228,17 +213,19 @@ def make_trailer_page(payload: memoryview | bytes, chunk_identity: bytes) -> byt
     return bytes(TRAILER_PAGE - TRAILER_SIZE) + pack_trailer(payload, chunk_identity)
 
 
-def write_trailer(page: memoryview | bytearray, payload: memoryview | bytes, chunk_identity: bytes) -> None:
-    """Write the :data:`TRAILER_SIZE` trailer of ``payload`` as the chunk of ``chunk_identity``
-    (:func:`identity`; the bytes of :func:`pack_trailer`) into the last bytes of ``page``, in
-    place: the store path's way to a trailer page without building one. The rest of ``page`` is
-    left as it is; for a trailer page the caller keeps it zero. Raises ``ValueError`` for an
-    identity of the wrong size.
+def write_trailer(page: memoryview | bytearray, payload: memoryview | bytes, key: bytes, run_fingerprint: bytes) -> None:
+    """Write the :data:`TRAILER_SIZE` trailer of ``payload`` as chunk ``key`` of run
+    ``run_fingerprint`` (the bytes of :func:`pack_trailer` with :func:`identity`) into the last
+    bytes of ``page``, in place: the store path's way to a trailer page without building one.
+    The rest of ``page`` is left as it is; for a trailer page the caller keeps it zero. Raises
+    ``ValueError`` as :func:`identity` does.
     """
-    if len(chunk_identity) != IDENTITY_SIZE:
-        raise ValueError(f"identity must be {IDENTITY_SIZE} bytes (see identity()), got {len(chunk_identity)}")
+    if len(key) > MAX_KEY_BYTES:
+        raise ValueError(f"offload key of {len(key)} bytes does not fit the trailer ({MAX_KEY_BYTES} max)")
+    if len(run_fingerprint) != RUN_FINGERPRINT_BYTES:
+        raise ValueError(f"run fingerprint must be {RUN_FINGERPRINT_BYTES} bytes, got {len(run_fingerprint)}")
     end = len(page)
-    page[end - TRAILER_SIZE : end - TAIL_SIZE] = chunk_identity
+    _IDENTITY.pack_into(page, end - TRAILER_SIZE, run_fingerprint, len(key), key)
     _TAIL.pack_into(page, end - TAIL_SIZE, MAGIC, FORMAT_VERSION, 0, len(payload), _xxh3_64(payload))
 
 

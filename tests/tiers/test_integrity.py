@@ -60,10 +60,12 @@ def test_trailer_written_in_place_is_the_documented_trailer() -> None:
     for payload, key in ((_payload(1), KEY), (b"x" * 4096, short_key)):
         page = bytearray(integrity.TRAILER_PAGE)
         page[-integrity.TRAILER_SIZE :] = b"\xff" * integrity.TRAILER_SIZE  # every trailer byte is written
-        integrity.write_trailer(memoryview(page), payload, integrity.identity(key, RUN))
+        integrity.write_trailer(memoryview(page), payload, key, RUN)
         assert bytes(page) == documented_trailer_page(payload, RUN, key)
     with pytest.raises(ValueError):
-        integrity.write_trailer(bytearray(integrity.TRAILER_PAGE), b"x", integrity.identity(KEY, RUN)[:-1])
+        integrity.write_trailer(bytearray(integrity.TRAILER_PAGE), b"x", bytes(65), RUN)
+    with pytest.raises(ValueError):
+        integrity.write_trailer(bytearray(integrity.TRAILER_PAGE), b"x", KEY, RUN[:31])
 
 
 def test_trailer_layout_is_identity_then_the_documented_32_byte_tail() -> None:

@@ -17,15 +17,6 @@ Where the kernel has ``openat2(2)`` (Linux ≥ 5.6) a path is resolved in one sy
 ``RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS``; elsewhere (older kernels, seccomp filters that refuse
 it, other platforms) each component is opened in turn with ``O_NOFOLLOW``, same guarantees, a
 few more system calls. Paths use ``/`` and never contain ``.`` or ``..`` segments.
-
-Inline opens (``inline=True``, for a tree on a local filesystem: :func:`inline_opens_safe`):
-the open is first tried from the kernel's caches alone (``RESOLVE_CACHED``, Linux ≥ 5.12, plus
-``RESOLVE_NO_XDEV`` so no other mount is entered) *without releasing the interpreter lock*: such
-an open cannot wait for a device (the kernel answers ``EAGAIN`` instead; io_uring relies on
-the same promise to open inline), and keeping the lock through a system call of a microsecond
-or two spares the hand-over of the lock to another thread and back, which on a busy machine
-costs more than the open itself. Anything else (not cached, a mount on the way, an old kernel)
-takes the ordinary open, which releases the lock. Same containment either way.
 """
 
 from __future__ import annotations
@@ -44,14 +35,11 @@ from kvtier.tiers.fs.modes import PRIVATE, Modes
 __all__ = [
     "UnsafeEntry",
     "open_file",
-    "opener",
     "open_dir",
     "open_or_make_dir",
     "lstat",
     "remove_entry",
     "has_openat2",
-    "fs_magic",
-    "inline_opens_safe",
 ]
 
 _O_CLOEXEC: int = getattr(os, "O_CLOEXEC", 0)
@@ -81,7 +69,6 @@ _SYS_OPENAT2 = {"x86_64": 437, "aarch64": 437, "arm64": 437, "riscv64": 437, "pp
 _RESOLVE_NO_MAGICLINKS = 0x02
 _RESOLVE_NO_SYMLINKS = 0x04
 _RESOLVE_BENEATH = 0x08
-_RESOLVE_NO_XDEV = 0x01
 _RESOLVE_CACHED = 0x20  # Linux >= 5.12: EAGAIN rather than wait for the storage to resolve a path
 _RESOLVE = _RESOLVE_BENEATH | _RESOLVE_NO_SYMLINKS | _RESOLVE_NO_MAGICLINKS
 
@@ -90,11 +77,11 @@ class _OpenHow(ctypes.Structure):
     _fields_ = (("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64), ("resolve", ctypes.c_uint64))
 
 
-_Openat2 = tuple[Any, int, Any]  # (libc.syscall, the syscall number, the same keeping the interpreter lock)
+_Openat2 = tuple[Any, int]  # (libc.syscall, the syscall number)
 _Opener = Callable[[int, str], int]
-# "fn": the probe's result (an _Openat2, or None); "inline": False once a kernel refused
-# RESOLVE_CACHED; (flags, mode, cached_only, inline): that open, prepared. One dict, so that
-# forgetting the probe (tests do, to switch resolution) forgets what was prepared with it.
+# "fn": the probe's result (an _Openat2, or None); (flags, mode, cached_only): that open, prepared.
+# One dict, so that forgetting the probe (tests do, to switch resolution) forgets what was
+# prepared with it.
 _openat2_state: dict[Any, Any] = {}
 _openat2_lock = threading.Lock()
 
@@ -120,9 +107,7 @@ def _openat2_fn() -> _Openat2 | None:
                     fd = syscall(nr, probe_fd, b".", ctypes.byref(how), ctypes.sizeof(how))
                     if fd >= 0:
                         os.close(fd)
-                        held = ctypes.PyDLL(None, use_errno=True).syscall  # called with the lock held
-                        held.restype = ctypes.c_long
-                        fn = (syscall, nr, held)
+                        fn = (syscall, nr)
                 finally:
                     os.close(probe_fd)
             except (OSError, AttributeError):
@@ -134,34 +119,6 @@ def _openat2_fn() -> _Openat2 | None:
 def has_openat2() -> bool:
     """Whether paths are resolved with one ``openat2`` call (else component by component)."""
     return _openat2_fn() is not None
-
-
-def fs_magic(fd: int) -> int | None:
-    """The ``statfs(2)`` ``f_type`` of the filesystem holding what is open at ``fd``; None where
-    it cannot be told (not Linux, ``fstatfs`` unavailable or failing)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    buf = ctypes.create_string_buffer(256)  # struct statfs: f_type (a long) first
-    try:
-        if ctypes.CDLL(None, use_errno=True).fstatfs(fd, buf) != 0:
-            return None
-    except (OSError, AttributeError):
-        return None
-    return ctypes.c_long.from_buffer(buf).value
-
-
-# Local filesystems, whose open of a cached path never waits on a device or a server: ext2/3/4,
-# xfs, btrfs, f2fs, bcachefs, zfs, tmpfs, ramfs, overlayfs (a container's root; a read-only
-# open copies nothing up). FUSE and network filesystems are absent: their open may ask a daemon
-# or a server even when the path is cached.
-_LOCAL_FS_MAGIC = frozenset({0xEF53, 0x58465342, 0x9123683E, 0xF2F52010, 0xCA451A4E, 0x2FC12FC1,
-                             0x01021994, 0x858458F6, 0x794C7630})
-
-
-def inline_opens_safe(dir_fd: int) -> bool:
-    """Whether opens beneath ``dir_fd`` may be tried inline (``inline=True``, see the module
-    docstring): its filesystem is a local one, and the kernel has ``openat2``."""
-    return _openat2_fn() is not None and fs_magic(dir_fd) in _LOCAL_FS_MAGIC
 
 
 # --- resolution -------------------------------------------------------------------------------
@@ -189,24 +146,20 @@ def _walk_open(dir_fd: int, relpath: str, flags: int, mode: int) -> int:
             os.close(fd)
 
 
-def _open_beneath(dir_fd: int, relpath: str, flags: int, mode: int = 0o600, inline: bool = False) -> int:
+def _open_beneath(dir_fd: int, relpath: str, flags: int, mode: int = 0o600) -> int:
     """Open ``relpath`` beneath ``dir_fd`` with ``flags`` (``O_NOFOLLOW | O_CLOEXEC`` added):
-    :class:`UnsafeEntry` for a link, a non-directory on the way or an escape. ``inline``: see
-    the module docstring."""
-    key = (flags, mode, False, inline)
-    prepared = _openat2_state.get(key)
+    :class:`UnsafeEntry` for a link, a non-directory on the way or an escape."""
+    prepared = _openat2_state.get((flags, mode, False))
     if prepared is None:
-        prepared = _prepare(*key)
+        prepared = _prepare(flags, mode, False)
     return prepared(dir_fd, relpath)
 
 
-def _prepare(flags: int, mode: int, cached_only: bool, inline: bool = False) -> _Opener:
+def _prepare(flags: int, mode: int, cached_only: bool) -> _Opener:
     """The open of :func:`_open_beneath` for ``flags``/``mode``, built once and kept: the load
     path's hot spot (a large share of a page-cache chunk read) is then one ``openat2``
     through ctypes with everything bound, the path encoded directly (layout paths are ASCII).
-    ``cached_only`` adds ``RESOLVE_CACHED`` (see :func:`open_file`); ``inline`` tries that first
-    with the interpreter lock held (see the module docstring; not for ``O_CREAT``, which
-    ``RESOLVE_CACHED`` always refuses)."""
+    ``cached_only`` adds ``RESOLVE_CACHED`` (see :func:`open_file`)."""
     fn = _openat2_fn()
     all_flags = flags | _O_NOFOLLOW | _O_CLOEXEC
 
@@ -225,7 +178,7 @@ def _prepare(flags: int, mode: int, cached_only: bool, inline: bool = False) -> 
                 raise
         prepared: _Opener = open_walking
     else:
-        syscall, nr, held = fn
+        syscall, nr = fn
         # openat2 refuses a mode without O_CREAT. ``how`` (a ctypes reference) keeps the structure alive.
         resolve = _RESOLVE | (_RESOLVE_CACHED if cached_only else 0)
         how = ctypes.byref(_OpenHow(all_flags, mode if flags & os.O_CREAT else 0, resolve))
@@ -242,32 +195,12 @@ def _prepare(flags: int, mode: int, cached_only: bool, inline: bool = False) -> 
                 err = errno.EOPNOTSUPP
             raise OSError(err, os.strerror(err), relpath)  # EAGAIN: a BlockingIOError
         prepared = open_beneath
-        if inline and not cached_only and not flags & (os.O_CREAT | os.O_TRUNC):
-            cached_how = ctypes.byref(_OpenHow(all_flags, 0, _RESOLVE | _RESOLVE_CACHED | _RESOLVE_NO_XDEV))
-
-            def open_inline(dir_fd: int, relpath: str) -> int:
-                path = relpath.encode()
-                fd: int = held(nr, dir_fd, path, cached_how, size)
-                if fd >= 0:
-                    return fd
-                err = ctypes.get_errno()
-                if err == errno.ENOENT:  # a cached negative entry: as final as the ordinary open's answer
-                    raise FileNotFoundError(err, os.strerror(err), relpath)
-                if err in (errno.ELOOP, errno.ENOTDIR, errno.ENXIO, errno.EISDIR):
-                    raise unsafe(relpath)
-                if err == errno.EINVAL:  # a kernel without RESOLVE_CACHED: never try again
-                    _openat2_state["inline"] = False
-                    _openat2_state.pop((flags, mode, False, True), None)
-                # EAGAIN (not all cached), EXDEV (a mount on the way, or an escape): the ordinary open
-                return open_beneath(dir_fd, relpath)
-            if _openat2_state.get("inline", True):
-                prepared = open_inline
-    _openat2_state[(flags, mode, cached_only, inline)] = prepared
+    _openat2_state[(flags, mode, cached_only)] = prepared
     return prepared
 
 
 def open_file(dir_fd: int, relpath: str, flags: int, mode: int = 0o600, *, regular_only: bool = True,
-              cached_only: bool = False, inline: bool = False) -> int:
+              cached_only: bool = False) -> int:
     """Open the regular file ``relpath`` beneath ``dir_fd``; return its descriptor.
 
     ``flags`` are ``os.open`` flags (``O_NOFOLLOW``, ``O_CLOEXEC`` and ``O_NONBLOCK`` are added);
@@ -284,10 +217,9 @@ def open_file(dir_fd: int, relpath: str, flags: int, mode: int = 0o600, *, regul
     ``cached_only`` opens only what the kernel can resolve from its caches (``RESOLVE_CACHED``):
     ``BlockingIOError`` when resolving would wait for the storage, ``OSError`` ``EOPNOTSUPP``
     where the kernel cannot promise that (no ``openat2``, or older than Linux 5.12).
-    ``inline`` (a tree on a local filesystem): see the module docstring.
     """
     flags |= _O_NONBLOCK
-    key = (flags, mode, cached_only, inline)
+    key = (flags, mode, cached_only)
     prepared = _openat2_state.get(key)  # _open_beneath, one frame fewer on the load path
     fd = (prepared or _prepare(*key))(dir_fd, relpath)
     if not regular_only:
@@ -299,14 +231,6 @@ def open_file(dir_fd: int, relpath: str, flags: int, mode: int = 0o600, *, regul
         os.close(fd)
         raise
     return fd  # O_NONBLOCK changes nothing for a regular file's reads and writes
-
-
-def opener(flags: int, *, inline: bool = False) -> Callable[[int, str], int]:
-    """``open(dir_fd, relpath)``: :func:`open_file` with ``regular_only=False`` for ``flags``,
-    prepared once (a caller that opens many files the same way skips the lookup of the
-    prepared open at each call)."""
-    flags |= _O_NONBLOCK
-    return _openat2_state.get((flags, 0o600, False, inline)) or _prepare(flags, 0o600, False, inline)
 
 
 def open_dir(dir_fd: int, relpath: str, *, create: bool = False, modes: Modes = PRIVATE) -> int:
@@ -324,14 +248,13 @@ def open_dir(dir_fd: int, relpath: str, *, create: bool = False, modes: Modes = 
     return _open_beneath(dir_fd, relpath, _DIR_FLAGS)
 
 
-def open_or_make_dir(dir_fd: int, relpath: str, modes: Modes = PRIVATE, *, inline: bool = False) -> tuple[int, bool]:
+def open_or_make_dir(dir_fd: int, relpath: str, modes: Modes = PRIVATE) -> tuple[int, bool]:
     """:func:`open_dir` with ``create=True`` (``relpath`` not empty), and whether this call made
     the last directory of ``relpath`` (it was then empty a moment ago; another process may
     write into it since). Directories this call makes get exactly ``modes.dir``; existing ones
-    are left as they are. ``inline``: see the module docstring (for the open of a directory
-    that is there)."""
+    are left as they are."""
     try:
-        return _open_beneath(dir_fd, relpath, _DIR_FLAGS, inline=inline), False
+        return _open_beneath(dir_fd, relpath, _DIR_FLAGS), False
     except FileNotFoundError:
         pass
     # Make the missing components one at a time, each beneath an already safe parent, and keep

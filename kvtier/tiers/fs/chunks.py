@@ -24,14 +24,14 @@ makes get exactly the modes given (owner-only by default) whatever the umask.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
 import stat
+import sys
 import threading
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING
 
 from kvtier.tiers.fs import beneath, tree
@@ -58,8 +58,6 @@ __all__ = [
     "trailer_page",
     "read_chunk",
     "load_chunk",
-    "chunk_loader",
-    "ChunkRead",
     "CodedVerdict",
     "image_buffer",
     "ReadOutcome",
@@ -153,7 +151,7 @@ def probe_o_direct(dir_fd: int) -> bool:
 
 
 def write_chunk(dir_fd: int, relpath: str, payload: memoryview, trailer: bytes | memoryview, *,
-                o_direct: bool, modes: Modes = PRIVATE, inline: bool = False) -> int:
+                o_direct: bool, modes: Modes = PRIVATE) -> int:
     """Publish ``payload`` + ``trailer`` (a trailer page) at ``relpath`` beneath ``dir_fd``
     atomically; return the bytes written. ``trailer`` may be this thread's :func:`trailer_page`
     (written as it is) or any bytes (copied into an aligned page first).
@@ -166,32 +164,28 @@ def write_chunk(dir_fd: int, relpath: str, payload: memoryview, trailer: bytes |
     directory on the way is a link or not a directory. On any error no temporary file remains and
     the ``OSError`` propagates; a write the disk cannot complete raises ``OSError(ENOSPC)`` (or the
     error the kernel gave). With ``o_direct`` the payload must be page aligned with a page-multiple
-    length (host slots are). ``inline``: the tree is on a local filesystem (see
-    :func:`~kvtier.tiers.fs.beneath.inline_opens_safe`).
+    length (host slots are).
     """
     if trailer is getattr(_scratch, "trailer", None):
         tail = trailer
     else:
         tail = _scratch_page()[TRAILER_PAGE - len(trailer) :]
         tail[:] = trailer
-    return _publish(dir_fd, relpath, [payload, tail], len(payload) + len(tail), o_direct, modes, inline)
+    return _publish(dir_fd, relpath, [payload, tail], len(payload) + len(tail), o_direct, modes)
 
 
-def write_image(dir_fd: int, relpath: str, image: memoryview, *, o_direct: bool, modes: Modes = PRIVATE,
-                inline: bool = False) -> int:
+def write_image(dir_fd: int, relpath: str, image: memoryview, *, o_direct: bool, modes: Modes = PRIVATE) -> int:
     """Publish ``image``, a whole chunk file (a coded chunk with its trailer page), at ``relpath``
     beneath ``dir_fd``: :func:`write_chunk` for a file built beforehand. With ``o_direct``,
     ``image`` must be page aligned with a page-multiple length."""
-    return _publish(dir_fd, relpath, [image], len(image), o_direct, modes, inline)
+    return _publish(dir_fd, relpath, [image], len(image), o_direct, modes)
 
 
-def _publish(dir_fd: int, relpath: str, buffers: list[memoryview], total: int, o_direct: bool, modes: Modes,
-             inline: bool) -> int:
+def _publish(dir_fd: int, relpath: str, buffers: list[memoryview], total: int, o_direct: bool, modes: Modes) -> int:
     """Write ``buffers`` (``total`` bytes) to a temporary file and rename it to ``relpath``
     (see :func:`write_chunk`)."""
     head, _, name = relpath.rpartition("/")
-    parent, made = (beneath.open_or_make_dir(dir_fd, head, modes, inline=inline) if head
-                    else (beneath.open_dir(dir_fd, ""), False))
+    parent, made = beneath.open_or_make_dir(dir_fd, head, modes) if head else (beneath.open_dir(dir_fd, ""), False)
     try:
         # A directory this call made holds nothing to keep or check: no lookup of the name.
         st = None
@@ -266,7 +260,7 @@ class ReadOutcome:
 
 
 def _open_for_read(dir_fd: int, relpath: str, o_direct: bool, *, regular_only: bool = True,
-                   cached_only: bool = False, inline: bool = False) -> int:
+                   cached_only: bool = False) -> int:
     """Open chunk file ``relpath`` for reading: ``O_NOATIME`` where allowed, ``O_DIRECT`` if asked.
 
     ``O_NOATIME``: under ``relatime`` the first read of a freshly written file updates its
@@ -280,8 +274,7 @@ def _open_for_read(dir_fd: int, relpath: str, o_direct: bool, *, regular_only: b
     flags = os.O_RDONLY | _O_NOATIME | (_O_DIRECT if o_direct else 0)
     while True:
         try:
-            return beneath.open_file(dir_fd, relpath, flags, regular_only=regular_only, cached_only=cached_only,
-                                     inline=inline)
+            return beneath.open_file(dir_fd, relpath, flags, regular_only=regular_only, cached_only=cached_only)
         except UnsafeEntry:
             raise
         except OSError as exc:
@@ -332,12 +325,10 @@ class CodedVerdict(Verdict):
 
 
 def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes, *, o_direct: bool,
-               accept_unverified: bool = False, nowait: bool = False, codec: ChunkCodec | None = None,
-               inline: bool = False) -> Verdict:
+               accept_unverified: bool = False, nowait: bool = False, codec: ChunkCodec | None = None) -> Verdict:
     """Read the chunk at ``relpath`` into ``dst`` (exactly one slot) and verify that it is chunk
-    ``chunk_identity`` (:func:`kvtier.tiers.integrity.identity`) with intact bytes:
-    :func:`read_chunk` plus :func:`kvtier.tiers.integrity.verify` in fewer steps (the tier loads
-    through :func:`chunk_loader`, which hands this everything but an intact plain chunk).
+    ``chunk_identity`` (:func:`kvtier.tiers.integrity.identity`) with intact bytes: the tier's
+    load hot path, :func:`read_chunk` plus :func:`kvtier.tiers.integrity.verify` in fewer steps.
 
     Returns the verdict, rejections included: ``not_regular`` for a link or special file (never
     read, never waited on), ``short``/``long`` by what could be read, ``unverified`` for a
@@ -360,8 +351,7 @@ def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes
     or the filesystem cannot promise not to
     wait (NFS, tmpfs, kernels before 5.12). The caller then reads it without ``nowait``, on a
     thread that may wait. ``nowait`` with ``o_direct`` is a ``ValueError`` (a direct read waits
-    for the device). ``inline``: the tree is on a local filesystem (see
-    :func:`~kvtier.tiers.fs.beneath.inline_opens_safe`).
+    for the device).
 
     Why it differs from :func:`read_chunk` (each step is measurable at page-cache speeds): ONE
     ``preadv`` into ``dst`` then two scratch pages (the trailer page, a spare one) tells the size
@@ -375,7 +365,7 @@ def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes
         raise OSError(errno.EOPNOTSUPP, "reads that may not wait are not supported here", relpath)
     try:
         # No fstat (a system call per chunk): what is not a regular file fails the read below.
-        fd = _open_for_read(dir_fd, relpath, o_direct, regular_only=False, cached_only=nowait, inline=inline)
+        fd = _open_for_read(dir_fd, relpath, o_direct, regular_only=False, cached_only=nowait)
     except UnsafeEntry:
         return rejected("not_regular")
     slot_bytes = len(dst)
@@ -424,68 +414,6 @@ def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes
             # A file that shrank (or grew) while being read classifies by what was read, like read_chunk.
             return rejected("short" if n < slot_bytes + TRAILER_PAGE else "long")
     return _decode(codec, dst, n, chunk_identity, accept_unverified)
-
-
-#: One chunk for :func:`chunk_loader`'s loads: its path beneath the tree, its identity
-#: (:func:`kvtier.tiers.integrity.identity`) and the slot to read it into.
-ChunkRead = tuple[str, bytes, memoryview]
-
-
-def chunk_loader(dir_fd: int, *, o_direct: bool, inline: bool = False, accept_unverified: bool = False,
-                 codec: ChunkCodec | None = None) -> Callable[[Sequence[ChunkRead]], list[Verdict | Exception]]:
-    """``load(chunks)``: :func:`load_chunk` of each ``(relpath, identity, dst)`` of ``chunks``
-    beneath ``dir_fd``, with the options bound once; per chunk, in order, the verdict or the
-    exception it raised (``FileNotFoundError`` for a missing file): the fs tier's loads, a slice of
-    a job at a time on a pool thread.
-
-    Same verdicts as :func:`load_chunk`, in fewer Python steps for the common case, a plain
-    chunk file found intact (open, one ``preadv`` of slot and trailer page, close, the trailer
-    checked in place): at page-cache speeds each step a worker runs holding the interpreter lock
-    is felt several times over by the other workers, which wait for that lock after each system
-    call — which is also why the caller computes paths and identities beforehand, on its own
-    thread. Anything else (a file of another size, a tree that encodes, an open the fast path
-    does not retry) is decided by :func:`load_chunk` itself, the file read again.
-    """
-    general = partial(load_chunk, dir_fd, o_direct=o_direct, accept_unverified=accept_unverified, codec=codec,
-                      inline=inline)
-    if codec is not None and codec.active:  # coded files are read into the image buffer: load_chunk's way
-        def load_coded(chunks: Sequence[ChunkRead]) -> list[Verdict | Exception]:
-            out: list[Verdict | Exception] = []
-            for relpath, chunk_identity, dst in chunks:
-                try:
-                    out.append(general(relpath, dst, chunk_identity))
-                except Exception as exc:  # noqa: BLE001 - reported per chunk
-                    out.append(exc)
-            return out
-        return load_coded
-    open_file = beneath.opener(os.O_RDONLY | _O_NOATIME | (_O_DIRECT if o_direct else 0), inline=inline)
-
-    def load(chunks: Sequence[ChunkRead]) -> list[Verdict | Exception]:
-        pages = _scratch_pages()
-        page = _scratch.page
-        preadv, close = os.preadv, os.close
-        out: list[Verdict | Exception] = []
-        for relpath, chunk_identity, dst in chunks:
-            try:
-                try:
-                    fd = open_file(dir_fd, relpath)
-                except FileNotFoundError:
-                    raise
-                except OSError:  # a link or special file, or an open load_chunk retries with other flags
-                    out.append(general(relpath, dst, chunk_identity))
-                    continue
-                try:
-                    n = preadv(fd, [dst, pages], 0)
-                except OSError:  # a pipe or a directory, or a read error: load_chunk tells which
-                    n = -1
-                finally:
-                    close(fd)
-                out.append(verify(dst, page, chunk_identity) if n == len(dst) + TRAILER_PAGE
-                           else general(relpath, dst, chunk_identity))
-            except Exception as exc:  # noqa: BLE001 - reported per chunk
-                out.append(exc)
-        return out
-    return load
 
 
 def _decode(codec: ChunkCodec, dst: memoryview, n: int, chunk_identity: bytes, accept_unverified: bool) -> CodedVerdict:
@@ -537,4 +465,12 @@ def in_memory_fs(fd: int) -> bool:
     """Whether the file or directory open at ``fd`` lives on a filesystem whose files are memory
     (tmpfs, ramfs): reading never waits for a device there, though reads that may not wait are
     refused. False where that cannot be told (not Linux, ``fstatfs`` unavailable)."""
-    return beneath.fs_magic(fd) in _MEMORY_FS_MAGIC
+    if not sys.platform.startswith("linux"):
+        return False
+    buf = ctypes.create_string_buffer(256)  # struct statfs: f_type (a long) first
+    try:
+        if ctypes.CDLL(None, use_errno=True).fstatfs(fd, buf) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    return ctypes.c_long.from_buffer(buf).value in _MEMORY_FS_MAGIC

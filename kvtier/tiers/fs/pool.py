@@ -14,7 +14,6 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, Generic, TypeVar
 
 import anyio
@@ -25,7 +24,6 @@ import anyio.to_thread
 __all__ = ["IOQueue", "DualQueuePool", "PoolStatistics", "usable_cpus"]
 
 T = TypeVar("T")
-A = TypeVar("A")
 
 
 class IOQueue(enum.Enum):
@@ -204,23 +202,16 @@ class DualQueuePool:
         touches any ``args``.
         Raises ``anyio.ClosedResourceError`` after :meth:`aclose`.
         """
-        return await self.run_slices(queue, partial(_call_each, fn), arg_tuples)
-
-    async def run_slices(self, queue: IOQueue, fn: Callable[[Sequence[A]], list[T | Exception]],
-                         items: Sequence[A]) -> list[T | BaseException]:
-        """:meth:`run_batch` for a ``fn`` that takes a whole slice of ``items`` and returns one
-        result per item, co-indexed (the value, or the exception that item failed with): a
-        worker then runs one call per slice, its loop over the items in ``fn``'s own locals."""
-        if not items:
+        if not arg_tuples:
             return []
         # Slices, not single calls: one lock/wake-up/result per slice rather than per chunk (a
         # page-cache read of a chunk costs about as much as a hand-off). As many slices as CPU
         # cores by default: page-cache copies and checksums are CPU work, so more threads on one
         # batch than cores only add switching.
-        size = max(1, -(-len(items) // self.batch_slices))
-        slices = [items[i : i + size] for i in range(0, len(items), size)]
+        size = max(1, -(-len(arg_tuples) // self.batch_slices))
+        slices = [arg_tuples[i : i + size] for i in range(0, len(arg_tuples), size)]
         batch = _Batch(len(slices))
-        tasks: list[_Task[list[T | Exception]]] = [_Task(fn, (part,), batch) for part in slices]
+        tasks: list[_Task[list[T | Exception]]] = [_Task(_call_each, (fn, part), batch) for part in slices]
         with self._cond:
             if self._stopping or not self._threads:
                 raise anyio.ClosedResourceError("I/O pool is not running")
@@ -247,7 +238,7 @@ class DualQueuePool:
             raise
         results: list[T | BaseException] = []
         for task, part in zip(tasks, slices):
-            if task.error is not None:  # the slice never ran (pool closed), or fn raised: every item failed
+            if task.error is not None:  # the slice never ran (pool closed): every call failed
                 results.extend([task.error] * len(part))
             else:
                 assert task.result is not None

@@ -62,13 +62,9 @@ Semantics callers rely on:
   (:meth:`FileSystemTier.write_many` / :meth:`FileSystemTier.read_many`): a job's chunks are
   queued on the dual-queue pool together — cut into one slice per CPU core for page-cache
   (buffered) I/O, which is CPU work, and one per worker for ``O_DIRECT``, which waits on the
-  device — run in parallel on its workers (checksums included, off the event loop; the loop
-  builds the job's paths and identities in one pass, as Python on a worker is paid several
-  times over in waits for the interpreter lock), and wake the loop once per job — not once per
-  chunk, which at page-cache speeds costs more CPU than the I/O itself
-  (:mod:`kvtier.tiers.fs.pool`). Reads open files ``O_NOATIME`` where the process owns them; on
-  a local filesystem a chunk's open is first tried from the kernel's caches without releasing
-  the interpreter lock (:mod:`kvtier.tiers.fs.beneath`, "inline opens").
+  device — run in parallel on its workers (paths and checksums included, off the event loop),
+  and wake the loop once per job — not once per chunk, which at page-cache speeds costs more CPU
+  than the I/O itself (:mod:`kvtier.tiers.fs.pool`). Reads open files ``O_NOATIME`` where the process owns them.
 * **Faults** (ENOSPC — short writes included —, EIO, EACCES, missing directories or files) fail
   only the chunk concerned (the base class counts them by reason); a failed store leaves no file
   behind. Start-up reads an existing ``config.json`` before writing anything, so a restart on a
@@ -82,7 +78,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from functools import partial
 from typing import Any, ClassVar
 
@@ -106,7 +102,7 @@ from kvtier.tiers.integrity import (
     ACCEPTED_VERIFIED,
     REJECT_REASONS,
     Verdict,
-    identity_packer,
+    identity,
     stored_size,
     write_trailer,
 )
@@ -135,22 +131,21 @@ _MAX_EXPECTED_ENTRIES = 1 << 22
 _LEFT_IN_PLACE = frozenset({"unverified", "no_codec"})
 
 
-def _load_slice(load: Callable[[Sequence[chunks.ChunkRead]], list[Verdict | Exception]], dir_fd: int,
-                part: Sequence[chunks.ChunkRead]) -> list[Verdict | Exception]:
-    """Read a slice of a load job with ``load`` (the tier's :func:`~kvtier.tiers.fs.chunks.chunk_loader`),
-    each chunk into its slot, verified to be that chunk of this run, intact (a coded file is
-    decoded by the tier's codec: the verdict is then a :class:`~kvtier.tiers.fs.chunks.CodedVerdict`
-    with the file's size). Per chunk the verdict, or the exception its load raised.
+def _load_verified(dir_fd: int, fingerprint: bytes, o_direct: bool, accept_unverified: bool, codec: ChunkCodec,
+                   key: bytes, dst: memoryview) -> Verdict:
+    """Read chunk ``key`` into ``dst`` and verify it is that chunk of this run, intact (a coded
+    file is decoded by ``codec``: the verdict is then a :class:`~kvtier.tiers.fs.chunks.CodedVerdict`
+    with the file's size).
 
-    On rejection the slot is zeroed and the file removed — except a trailer-less file refused as
+    On rejection ``dst`` is zeroed and the file removed — except a trailer-less file refused as
     ``unverified`` (it may be another program's, such as vLLM's) and a compressed one this process
     cannot decode (``no_codec``: ``zstandard`` missing here, not in the processes that wrote it),
     which are left alone.
     """
-    results = load(part)
-    for (relpath, _, dst), verdict in zip(part, results):
-        if verdict is ACCEPTED_VERIFIED or isinstance(verdict, Exception) or verdict.ok:
-            continue
+    relpath = Namespace.chunk_relpath(key)
+    verdict = chunks.load_chunk(dir_fd, relpath, dst, identity(key, fingerprint), o_direct=o_direct,
+                               accept_unverified=accept_unverified, codec=codec)
+    if not verdict.ok:
         # Defence in depth: the manager frees the slot on failure, but never leave bytes that
         # failed verification where they could be mistaken for a chunk.
         dst[:] = bytes(len(dst))
@@ -159,44 +154,40 @@ def _load_slice(load: Callable[[Sequence[chunks.ChunkRead]], list[Verdict | Exce
                 chunks.remove_file(dir_fd, relpath)
             except OSError as exc:
                 logger.warning("could not remove rejected chunk file %s: %s", relpath, exc)
-    return results
-
-
-def _not_open(part: Sequence[chunks.ChunkRead]) -> list[Verdict | Exception]:
-    raise RuntimeError("the fs tier is not open")
+    return verdict
 
 
 class _Repaired(int):
     """Bytes written by :func:`_store` after it removed a link or special file in the way."""
 
 
-def _store(dir_fd: int, o_direct: bool, inline: bool, modes: Modes, relpath: str, chunk_identity: bytes,
-           src: memoryview) -> int:
-    """Publish ``src`` with its trailer as the chunk of ``chunk_identity`` at ``relpath``; the
-    bytes written (0 when present).
+def _store(dir_fd: int, fingerprint: bytes, o_direct: bool, modes: Modes, key: bytes, src: memoryview) -> int:
+    """Publish ``src`` with its trailer as chunk ``key``; the bytes written (0 when present).
 
     A symbolic link, special file or non-directory where the layout needs a directory or the
     chunk file is removed (never followed) and the write tried once more; the count is then a
     :class:`_Repaired` so the tier can count the removal.
     """
+    relpath = Namespace.chunk_relpath(key)
     page = chunks.trailer_page()
-    write_trailer(page, src, chunk_identity)
+    write_trailer(page, src, key, fingerprint)
     try:
-        return chunks.write_chunk(dir_fd, relpath, src, page, o_direct=o_direct, modes=modes, inline=inline)
+        return chunks.write_chunk(dir_fd, relpath, src, page, o_direct=o_direct, modes=modes)
     except beneath.UnsafeEntry:
         chunks.remove_file(dir_fd, relpath)
         return _Repaired(chunks.write_chunk(dir_fd, relpath, src, page, o_direct=o_direct, modes=modes))
 
 
-def _store_coded(codec: ChunkCodec, dir_fd: int, o_direct: bool, inline: bool, modes: Modes, relpath: str,
-                 chunk_identity: bytes, src: memoryview) -> int:
+def _store_coded(codec: ChunkCodec, dir_fd: int, fingerprint: bytes, o_direct: bool, modes: Modes, key: bytes,
+                 src: memoryview) -> int:
     """:func:`_store` for a tier whose codec encodes: ``src`` is encoded into this thread's
     page-aligned image buffer and published as it is; returns the file's size on disk (whether
     written now or found there already), a :class:`_Repaired` as :func:`_store` does."""
+    relpath = Namespace.chunk_relpath(key)
     image = chunks.image_buffer(codec.max_file_bytes)
-    n = codec.encode_into(src, chunk_identity, image)
+    n = codec.encode_into(src, identity(key, fingerprint), image)
     try:
-        chunks.write_image(dir_fd, relpath, image[:n], o_direct=o_direct, modes=modes, inline=inline)
+        chunks.write_image(dir_fd, relpath, image[:n], o_direct=o_direct, modes=modes)
     except beneath.UnsafeEntry:
         chunks.remove_file(dir_fd, relpath)
         chunks.write_image(dir_fd, relpath, image[:n], o_direct=o_direct, modes=modes)
@@ -304,9 +295,6 @@ class FileSystemTier(SecondaryTier):
         self.o_direct = False
         self._file_bytes = stored_size(context.slot_bytes)
         self._dir_fd = -1  # the run's block tree, open from open() to close()
-        self._inline_opens = False  # whether its filesystem allows inline opens (beneath.inline_opens_safe)
-        self._load: Callable[[Sequence[chunks.ChunkRead]], list[Verdict | Exception]] = _not_open  # once open
-        self._identity = identity_packer(self.namespace.fingerprint)
         self._pool = DualQueuePool(self.n_read_threads, self.n_write_threads, name=f"kvtier-fs{context.index}")
         self._deletions: list[anyio.Event] = []  # eviction deletions in flight, oldest first
         self._deleting: dict[bytes, int] = {}  # keys whose files those deletions are removing
@@ -377,8 +365,6 @@ class FileSystemTier(SecondaryTier):
             if stale:
                 self._stale_tmp.inc(stale)
             self.o_direct = await self._pool.run(IOQueue.WRITE, chunks.probe_o_direct, self._dir_fd)
-            self._load = chunks.chunk_loader(self._dir_fd, o_direct=self.o_direct, inline=self._inline_opens,
-                                             accept_unverified=self.accept_unverified_chunks, codec=self.codec)
             if self.o_direct:
                 # O_DIRECT transfers wait on the device, not on a CPU: give a job to every worker
                 # (the pool's default, one slice per core, suits page-cache copies).
@@ -453,7 +439,6 @@ class FileSystemTier(SecondaryTier):
             _, stale = ensure_config_json(root_fd, self.namespace, tmp_grace_s=self.stale_tmp_grace_s,
                                           modes=self.modes)
             self._dir_fd = beneath.open_dir(root_fd, self.namespace.blocks_leaf, create=True, modes=self.modes)
-            self._inline_opens = beneath.inline_opens_safe(self._dir_fd)
             return stale
         finally:
             os.close(root_fd)
@@ -627,14 +612,12 @@ class FileSystemTier(SecondaryTier):
         self._publish_usage()
         results: list[int | BaseException] | None = None
         if coded:
-            store = partial(_store_coded, self.codec, self._dir_fd, self.o_direct, self._inline_opens, self.modes)
+            store = partial(_store_coded, self.codec, self._dir_fd, self.namespace.fingerprint, self.o_direct, self.modes)
         else:
-            store = partial(_store, self._dir_fd, self.o_direct, self._inline_opens, self.modes)
-        relpath, identity_of = Namespace.chunk_relpath, self._identity
-        writes = [(relpath(key), identity_of(key), src) for key, src in calls]  # on the loop: see read_many
+            store = partial(_store, self._dir_fd, self.namespace.fingerprint, self.o_direct, self.modes)
         try:
             await self._room_made([k for k, _ in victims], earlier_deletions)
-            results = await self._pool.run_batch(IOQueue.WRITE, store, writes)
+            results = await self._pool.run_batch(IOQueue.WRITE, store, calls)
         finally:
             if results is None:  # cut short: any chunk reserved now may or may not be on disk
                 for i, reserved in started:
@@ -668,26 +651,28 @@ class FileSystemTier(SecondaryTier):
                     index.add(key, int(result))
 
     async def read_many(self, items: Sequence[tuple[bytes, memoryview]]) -> list[BaseException | None]:
-        """Load a whole job: chunks spread over the pool workers in slices (``run_slices``), one
+        """Load a whole job: chunks spread over the pool workers in slices (``run_batch``), one
         wake-up of the loop per job. Each chunk is read into its slot and verified on the worker;
         per chunk the outcome is ``None``, :class:`ChunkNotFound` or :class:`ChunkCorrupt` (the
         file was removed, the slot zeroed) or the ``OSError``. Chunks being read are never evicted.
 
-        Paths and identities are built here, on the loop, in one pass: measured at page-cache
-        speeds (``benchmarks/fs_tier.py``), a microsecond of Python on a worker costs the process
-        several (the other workers wait for the interpreter lock after each system call), one
-        on the loop about one. The loop's index work is one lookup per chunk.
+        The loop's share per chunk is kept to a few dictionary operations (paths are built on the
+        workers): at page-cache speeds, Python run on the loop thread under the GIL stalls the
+        workers as surely as their own.
         """
         keys = [key for key, _ in items]
-        relpath, identity_of = Namespace.chunk_relpath, self._identity
-        reads = [(relpath(key), identity_of(key), dst) for key, dst in items]  # here, not on the workers
         self.index.pin_all(keys)
         results: list[Verdict | BaseException] | None = None
         try:
-            results = await self._pool.run_slices(IOQueue.READ, partial(_load_slice, self._load, self._dir_fd), reads)
+            results = await self._pool.run_batch(
+                IOQueue.READ,
+                partial(_load_verified, self._dir_fd, self.namespace.fingerprint, self.o_direct,
+                        self.accept_unverified_chunks, self.codec),
+                items)
         finally:
+            # The common case, every chunk loaded and verified: unpinned and made the most recent
+            # in one pass over the index (one lookup per chunk).
             verified = results is not None and all(result is ACCEPTED_VERIFIED for result in results)
-            # The common case, every chunk loaded and verified, in one pass over the index.
             self.index.unpin_all(keys, touch_or_add=self._file_bytes if verified else None)
         outcomes: list[BaseException | None]
         if verified:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import secrets
 import stat
@@ -116,13 +115,8 @@ def config_text(ns: Namespace) -> str:
 
 
 def chunk_tmp_name(name: str) -> str:
-    """A unique temporary name beside chunk file ``name`` (matches :data:`CHUNK_TMP`).
-
-    63 bits of the ``random`` module (reseeded in a forked child), not of ``secrets``: the name
-    needs to be unique, not secret (the file is created ``O_EXCL | O_NOFOLLOW``, so a name
-    another writer guessed fails the store, it redirects nothing), and ``secrets`` asks the
-    kernel for entropy on every store."""
-    return f"{name}_{random.getrandbits(63)}.tmp"
+    """A unique temporary name beside chunk file ``name`` (matches :data:`CHUNK_TMP`)."""
+    return f"{name}_{secrets.randbits(63)}.tmp"
 
 
 def probe_name() -> str:

@@ -6,8 +6,6 @@ fallback, which must give the same guarantees.
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import os
 import socket
 import stat
@@ -137,78 +135,3 @@ def test_remove_entry_removes_the_offending_link_never_its_target(base: Path, ba
     assert (outside / "secret.bin").read_bytes() == b"secret"
     assert beneath.remove_entry(base_fd, "abc/de_g0/real.bin") is True
     assert beneath.remove_entry(base_fd, "abc/de_g0/real.bin") is False
-
-
-# --- inline opens (openat2 from the kernel's caches, the interpreter lock held) -------------------
-
-
-@pytest.fixture
-def inline_fd(base: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[int]:
-    monkeypatch.setattr(beneath, "_openat2_state", {})
-    if not beneath.has_openat2():
-        pytest.skip("this kernel has no openat2: opens are never inline there (the walk variants cover it)")
-    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
-    yield fd
-    os.close(fd)
-
-
-def test_inline_opens_keep_every_guarantee(base: Path, inline_fd: int) -> None:
-    os.symlink(base.parent / "outside" / "secret.bin", base / "abc" / "de_g0" / "link.bin")
-    os.symlink(base.parent / "outside", base / "xyz")
-    os.mkfifo(base / "abc" / "de_g0" / "pipe.bin")
-    assert _read(beneath.open_file(inline_fd, "abc/de_g0/real.bin", os.O_RDONLY, inline=True)) == b"real"
-    assert _read(beneath.opener(os.O_RDONLY, inline=True)(inline_fd, "abc/de_g0/real.bin")) == b"real"
-    for relpath in ("abc/de_g0/link.bin", "xyz/de_g0/real.bin", "abc/de_g0/pipe.bin", "abc/de_g0"):
-        with pytest.raises(UnsafeEntry):
-            beneath.open_file(inline_fd, relpath, os.O_RDONLY, inline=True)
-    with pytest.raises(FileNotFoundError):
-        beneath.open_file(inline_fd, "abc/de_g0/none.bin", os.O_RDONLY, inline=True)
-    with pytest.raises((UnsafeEntry, FileNotFoundError)):
-        beneath.open_file(inline_fd, "../outside/secret.bin", os.O_RDONLY, inline=True)
-    fd, made = beneath.open_or_make_dir(inline_fd, "abc/de_g0", inline=True)
-    os.close(fd)
-    assert not made
-    with pytest.raises(UnsafeEntry):
-        beneath.open_or_make_dir(inline_fd, "xyz/de_g0", inline=True)
-
-
-def _held_answering(err: int) -> tuple[list[int], object]:
-    """A stand-in for the lock-holding syscall that fails with ``err``, counting its calls."""
-    calls: list[int] = []
-
-    def held(*args: object) -> int:
-        calls.append(1)
-        ctypes.set_errno(err)
-        return -1
-    return calls, held
-
-
-@pytest.mark.parametrize("err", [errno.EAGAIN, errno.EXDEV], ids=["not-cached", "another-mount"])
-def test_an_open_the_caches_cannot_answer_is_made_the_ordinary_way(base: Path, inline_fd: int, err: int) -> None:
-    syscall, nr, _ = beneath._openat2_fn()  # type: ignore[misc]
-    calls, held = _held_answering(err)
-    beneath._openat2_state["fn"] = (syscall, nr, held)
-    assert _read(beneath.open_file(inline_fd, "abc/de_g0/real.bin", os.O_RDONLY, inline=True)) == b"real"
-    os.symlink(base.parent / "outside", base / "xyz")
-    with pytest.raises(UnsafeEntry):  # the ordinary open still refuses the link
-        beneath.open_file(inline_fd, "xyz/de_g0/real.bin", os.O_RDONLY, inline=True)
-    assert len(calls) == 2
-
-
-def test_a_kernel_without_cached_lookups_stops_trying_them(inline_fd: int) -> None:
-    syscall, nr, _ = beneath._openat2_fn()  # type: ignore[misc]
-    calls, held = _held_answering(errno.EINVAL)  # RESOLVE_CACHED unknown before Linux 5.12
-    beneath._openat2_state["fn"] = (syscall, nr, held)
-    for _ in range(3):
-        assert _read(beneath.open_file(inline_fd, "abc/de_g0/real.bin", os.O_RDONLY, inline=True)) == b"real"
-    assert len(calls) == 1
-
-
-def test_inline_opens_only_on_local_filesystems(inline_fd: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    local = beneath.fs_magic(inline_fd)
-    assert local is not None
-    assert beneath.inline_opens_safe(inline_fd) is (local in beneath._LOCAL_FS_MAGIC)
-    monkeypatch.setattr(beneath, "fs_magic", lambda fd: 0x65735546)  # FUSE: its open asks a daemon
-    assert beneath.inline_opens_safe(inline_fd) is False
-    monkeypatch.setattr(beneath, "fs_magic", lambda fd: 0x6969)  # NFS
-    assert beneath.inline_opens_safe(inline_fd) is False

@@ -472,26 +472,3 @@ async def test_closed_pool_refuses_batches() -> None:
     await pool.aclose()
     with pytest.raises(anyio.ClosedResourceError):
         await pool.run_batch(IOQueue.READ, lambda: None, [()])
-
-
-@pytest.mark.anyio
-async def test_slices_are_handed_whole_to_a_function_that_answers_per_item() -> None:
-    pool = DualQueuePool(2, 2, batch_slices=3)
-    pool.start()
-    seen: list[list[int]] = []
-
-    def per_slice(part: list[int]) -> list[int | Exception]:
-        seen.append(list(part))
-        if 7 in part:
-            raise RuntimeError("this slice failed as a whole")
-        return [ValueError(x) if x == 4 else x * 10 for x in part]
-
-    try:
-        outcomes = await pool.run_slices(IOQueue.READ, per_slice, list(range(9)))
-        assert await pool.run_slices(IOQueue.READ, per_slice, []) == []
-    finally:
-        await pool.aclose()
-    assert sorted(seen) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]  # three slices, each in one call
-    assert outcomes[:4] == [0, 10, 20, 30] and outcomes[5] == 50
-    assert isinstance(outcomes[4], ValueError)  # one item's failure, reported in place
-    assert all(isinstance(o, RuntimeError) for o in outcomes[6:])  # a slice that raised fails its items
