@@ -29,6 +29,10 @@ flushes) are not involved, since transfers are submitted directly. Its trials ar
 the other two (the order rotates each repeat) and the table gains its throughput, the I/O mode it
 chose, and the kvtier/vLLM ratio. Without vLLM that comparison is reported skipped.
 
+``--vllm-xxh3`` adds a fourth contender, vLLM with kvtier's checksum (xxh3-64) added to its
+per-block store and load, and a table comparing kvtier with it: what kvtier costs beyond the
+verification itself, each in its own structure.
+
 A second table gives the CPU each contender spends per GiB moved (process user + system time, all
 threads), with two parts of kvtier's: its event-loop thread and the xxh3-64 checksum (measured
 alone, on cache-hot and cold slots). Where every core is busy — page-cache I/O on a small machine —
@@ -62,7 +66,7 @@ A stage timer costs ~0.6 µs a call (calibrated and subtracted). Contention for 
 stages where it lands (a shard directory's lock spun on counts in containment/open). Run it on a quiet machine:
 
     python benchmarks/fs_tier.py [--root DIR] [--jobs 4] [--threads 4] [--repeats 7] [--mode both]
-                                 [--sizes 256,2048] [--no-vllm] [--profile]
+                                 [--sizes 256,2048] [--no-vllm] [--vllm-xxh3] [--profile]
     /tmp/vllm-venv/bin/python benchmarks/fs_tier.py      # with vLLM in a side virtualenv
 """
 
@@ -212,9 +216,11 @@ class VllmFs:
     def __init__(self) -> None:
         from vllm.v1.kv_offload import base
         from vllm.v1.kv_offload.tiering import base as tiering_base
+        from vllm.v1.kv_offload.tiering.fs import io as fs_io
         from vllm.v1.kv_offload.tiering.fs import manager
 
         self.base: ModuleType = base
+        self.io: ModuleType = fs_io
         self.tiering: ModuleType = tiering_base
         self.manager: ModuleType = manager
         self.version: str = importlib.import_module("vllm").__version__
@@ -249,9 +255,36 @@ def vllm_spec(geometry: KVGeometry) -> SimpleNamespace:
                            blocks_per_chunk=1)
 
 
+@contextlib.contextmanager
+def vllm_checksummed(vllm: VllmFs) -> Iterator[None]:
+    """vLLM's per-block store and load with kvtier's checksum added where kvtier computes it:
+    xxh3-64 of the host bytes before a block is written, of the bytes read after a block is
+    loaded (the digest itself is kept nowhere: this prices the work, in vLLM's own structure)."""
+    io: Any = vllm.io  # its private per-block functions, looked up by batch_*_block at each call
+    store, load = io._store_block, io._load_block
+
+    def store_block(dest_path: str, buffer: memoryview, offset: int, block_size: int, *args: Any) -> None:
+        checksum(buffer.cast("B")[offset : offset + block_size])
+        store(dest_path, buffer, offset, block_size, *args)
+
+    def load_block(source_path: str, view: memoryview, offset: int, block_size: int, *args: Any) -> None:
+        load(source_path, view, offset, block_size, *args)
+        checksum(view.cast("B")[offset : offset + block_size])
+
+    io._store_block, io._load_block = store_block, load_block
+    try:
+        yield
+    finally:
+        io._store_block, io._load_block = store, load
+
+
 def vllm_round(vllm: VllmFs, root: Path, host: SlotBuffer, geometry: KVGeometry, jobs: int, threads: int,
-               tag: str, buffered: bool) -> tuple[Timing, Timing, bool]:
-    """``jobs`` store jobs then ``jobs`` load jobs of 64 chunks through vLLM's fs tier."""
+               tag: str, buffered: bool, checksummed: bool = False) -> tuple[Timing, Timing, bool]:
+    """``jobs`` store jobs then ``jobs`` load jobs of 64 chunks through vLLM's fs tier (with
+    ``checksummed``, under :func:`vllm_checksummed`)."""
+    if checksummed:
+        with vllm_checksummed(vllm):
+            return vllm_round(vllm, root, host, geometry, jobs, threads, tag + "_x", buffered)
     half = max(1, threads // 2)
     # Rows of the shared host buffer; vLLM takes the chunk size from strides[0].
     primary = host.array.data
@@ -382,6 +415,7 @@ class Row:
     vllm: Figures | None
     vllm_mode: str | None
     xxh3_ms_per_gib: tuple[float, float]  # (cache-hot, cold)
+    vllm_xxh3: Figures | None = None  # vLLM with kvtier's checksum added (--vllm-xxh3)
 
 
 def measure(root: Path, slot_bytes: int, args: argparse.Namespace, buffered: bool,
@@ -403,6 +437,7 @@ def measure(root: Path, slot_bytes: int, args: argparse.Namespace, buffered: boo
         raw_t: list[tuple[Timing, Timing]] = []
         tier_t: list[tuple[Timing, Timing]] = []
         vllm_t: list[tuple[Timing, Timing]] = []
+        vllm_x_t: list[tuple[Timing, Timing]] = []
         for r in range(args.repeats):
             tag = f"{slot_bytes}_{int(buffered)}_{r}"
 
@@ -421,8 +456,16 @@ def measure(root: Path, slot_bytes: int, args: argparse.Namespace, buffered: boo
                 assert chosen == vllm_o_direct
                 vllm_t.append((store, load))
 
+            def theirs_checksummed(tag: str = tag) -> None:
+                assert vllm is not None
+                store, load, _ = vllm_round(vllm, root, host, geometry, args.jobs, args.threads, tag, buffered,
+                                            checksummed=True)
+                vllm_x_t.append((store, load))
+
             # Rotate the order each repeat so no contender always runs first (cold) or after a given one.
             trials: list[Callable[..., None]] = [raw, tier] + ([theirs] if vllm is not None else [])
+            if vllm is not None and args.vllm_xxh3:
+                trials.append(theirs_checksummed)
             shift = r % len(trials)
             for trial in trials[shift:] + trials[:shift]:
                 trial()
@@ -434,7 +477,8 @@ def measure(root: Path, slot_bytes: int, args: argparse.Namespace, buffered: boo
         Row(slot_bytes // 1024, op, "O_DIRECT" if o_direct else "buffered",
             Figures.of(gib, [t[idx] for t in raw_t]), Figures.of(gib, [t[idx] for t in tier_t]),
             Figures.of(gib, [t[idx] for t in vllm_t]) if vllm is not None else None,
-            None if vllm is None else ("O_DIRECT" if vllm_o_direct else "buffered"), xxh3)
+            None if vllm is None else ("O_DIRECT" if vllm_o_direct else "buffered"), xxh3,
+            Figures.of(gib, [t[idx] for t in vllm_x_t]) if vllm_x_t else None)
         for idx, op in ((0, "store"), (1, "load"))
     ]
 
@@ -491,6 +535,22 @@ def print_tables(rows: list[Row], with_vllm: bool) -> None:
         print(line)
     print("xxh3: a load verifies each chunk after reading it (cache-hot after a page-cache copy, cold after "
           "O_DIRECT); a store computes it for the trailer from the host slot (cold)")
+
+
+def print_checksummed_table(rows: list[Row]) -> None:
+    """kvtier against vLLM with kvtier's checksum added (``--vllm-xxh3``): what kvtier costs
+    beyond verifying, each in its own structure."""
+    print()
+    print("kvtier vs vLLM with xxh3-64 added to its stores and loads (vLLM+xxh3); CPU per GiB in ms")
+    print(f"{'chunk':>8} {'op':>6} {'I/O mode':>9} {'vLLM+xxh3 GiB/s':>16} {'kvtier/(vLLM+xxh3)':>19} "
+          f"{'trial ratios':>13} | {'vLLM':>6} {'vLLM+xxh3':>10} {'kvtier':>7} {'kvtier/(vLLM+xxh3)':>19}")
+    for row in rows:
+        if row.vllm_xxh3 is None or row.vllm is None:
+            continue
+        ratio, low, high = row.kvtier.versus(row.vllm_xxh3)
+        print(f"{row.chunk_kib:>4} KiB {row.op:>6} {row.mode:>9} {row.vllm_xxh3.gib_per_s:>16.2f} {ratio:>19.2f} "
+              f"{low:>6.2f}–{high:<6.2f} | {row.vllm.cpu_ms_per_gib:>6.0f} {row.vllm_xxh3.cpu_ms_per_gib:>10.0f} "
+              f"{row.kvtier.cpu_ms_per_gib:>7.0f} {row.kvtier.cpu_ms_per_gib / row.vllm_xxh3.cpu_ms_per_gib:>19.2f}")
 
 
 STORE_STAGES = ("containment/open", "write", "close", "trailer", "checksum", "rename/publish", "worker glue",
@@ -704,6 +764,9 @@ def main() -> None:
                         help="auto: each tier probes O_DIRECT and raw uses kvtier's choice; buffered: page cache")
     parser.add_argument("--sizes", default="256,2048", help="chunk sizes in KiB, comma separated")
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM comparison even if importable")
+    parser.add_argument("--vllm-xxh3", action="store_true",
+                        help="also run vLLM with kvtier's checksum added to its stores and loads (what verifying "
+                             "costs in vLLM's own structure), and compare kvtier with that")
     parser.add_argument("--profile", action="store_true",
                         help="print the per-stage profile of kvtier's store and load paths instead of the comparison")
     args = parser.parse_args()
@@ -737,6 +800,8 @@ def main() -> None:
     print(f"fs tier: {contenders}, {args.jobs} jobs x {CHUNKS_PER_JOB} chunks, {args.threads} threads, "
           f"median of {args.repeats} interleaved trials, {usable_cpus()} usable cores, root {root}")
     print_tables(rows, vllm is not None)
+    if any(row.vllm_xxh3 is not None for row in rows):
+        print_checksummed_table(rows)
     if vllm is None:
         print(f"{why_not}: the comparison with vLLM's fs tier was skipped")
 

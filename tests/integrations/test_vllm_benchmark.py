@@ -42,3 +42,19 @@ def test_vllm_adapter_benchmark_tiny_run_prints_its_table(tmp_path: Path) -> Non
         # Every figure was measured: no row printed as '-' (a row without samples).
         assert " - " not in lines[0][len(row):].split("|")[0] + " ", lines[0]
     assert "second RETRYs" in out, out
+
+
+def test_fs_tier_benchmark_compares_with_vllm_and_with_vllm_checksummed(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "fs_tier.py"), "--repeats", "1", "--jobs",
+                           "1", "--sizes", "256", "--mode", "buffered", "--vllm-xxh3"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "kvtier/vLLM" in out and "skipped" not in out, out
+    title = "kvtier vs vLLM with xxh3-64 added to its stores and loads"
+    assert title in out, out
+    table = out.split(title, 1)[1].splitlines()[2:4]  # after the title and the header: its two rows
+    assert [row.split()[2] for row in table] == ["store", "load"], out
+    for row in table:  # every figure measured: GiB/s, ratios, and four CPU figures after the bar
+        assert len(row.split("|")[1].split()) == 4 and float(row.split()[4]) > 0, row
