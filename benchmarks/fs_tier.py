@@ -777,6 +777,8 @@ def main() -> None:
         return
 
     vllm, why_not = (None, "--no-vllm given") if args.no_vllm else load_vllm()
+    if args.vllm_xxh3 and vllm is None:
+        parser.error(f"--vllm-xxh3 runs vLLM with kvtier's checksum, but {why_not}")
     if vllm is not None:
         # Its O_DIRECT fallback warning is reported in the table instead.
         logging.getLogger("vllm.v1.kv_offload.tiering.fs.manager").setLevel(logging.ERROR)

@@ -71,3 +71,11 @@ def test_benchmark_runs(script: str, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     for fragment in expected:
         assert fragment in proc.stdout, f"{fragment!r} missing from:\n{proc.stdout}"
+
+
+def test_fs_tier_refuses_vllm_xxh3_without_vllm(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "fs_tier.py"), "--vllm-xxh3", "--no-vllm"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "--vllm-xxh3 runs vLLM with kvtier's checksum, but --no-vllm given" in proc.stderr
