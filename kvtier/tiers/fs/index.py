@@ -335,6 +335,15 @@ class ChunkIndex:
         self.add(key, size)
         return victims
 
+    #: Whether :meth:`reserve_all` counts a key that fits without victims itself, with the lookup it
+    #: made (a subclass whose :meth:`reserve` does more sends every key there).
+    _reserve_inline = True
+
+    def _keep_held(self, key: bytes, slot: int) -> None:
+        """:meth:`reserve_all` for ``key``, held already at ``slot``: it becomes the most recent."""
+        self._unlink(slot)
+        self._push_hot(slot)
+
     def reserve_all(self, keys: Sequence[bytes], size: int, *, held_at_any_size: bool = False
                     ) -> tuple[list[bool | TierIOError], list[tuple[bytes, float]]]:
         """A store job's bookkeeping before its I/O, in one call: per key in job order, ``False``
@@ -351,10 +360,10 @@ class ChunkIndex:
         for key in keys:
             slot = self._find(key)
             if slot >= 0 and (sizes[slot] == size or held_at_any_size):
-                self._unlink(slot)
-                self._push_hot(slot)
+                self._keep_held(key, slot)
                 outcomes.append(False)
-            elif capacity is None or (self.complete and self.used + size - (sizes[slot] if slot >= 0 else 0) <= capacity):
+            elif self._reserve_inline and (capacity is None or (
+                    self.complete and self.used + size - (sizes[slot] if slot >= 0 else 0) <= capacity)):
                 # Room without victims: reserve() amounts to add(), done here with one lookup.
                 if stored_at is None:
                     stored_at, seen = time.time() - self._epoch, time.monotonic()
@@ -710,28 +719,12 @@ class TenantChunkIndex(ChunkIndex):
             self._charging = DEFAULT_POOL
         return victims
 
-    def reserve_all(self, keys: Sequence[bytes], size: int, *, held_at_any_size: bool = False
-                    ) -> tuple[list[bool | TierIOError], list[tuple[bytes, float]]]:
-        """:meth:`ChunkIndex.reserve_all`, each key through this class's :meth:`reserve`."""
-        outcomes: list[bool | TierIOError] = []
-        victims: list[tuple[bytes, float]] = []
-        busy = self._busy
-        for key in keys:
-            slot = self._find(key)
-            if slot >= 0 and (self._size[slot] == size or held_at_any_size):
-                self._writers.pop(key, None)
-                self._unlink(slot)
-                self._push_hot(slot)
-                outcomes.append(False)
-            else:
-                try:
-                    victims.extend(self.reserve(key, size))
-                except TierIOError as exc:
-                    outcomes.append(exc)
-                    continue
-                outcomes.append(True)
-            busy[key] = busy.get(key, 0) + 1
-        return outcomes, victims
+    # reserve_all: every key not held goes through this class's reserve (pools, budgets).
+    _reserve_inline = False
+
+    def _keep_held(self, key: bytes, slot: int) -> None:
+        self._writers.pop(key, None)  # held already: charged where it is
+        super()._keep_held(key, slot)
 
     def over_capacity_victims(self, limit: int | None = None) -> list[tuple[bytes, float]]:
         """Pools over their budget back to it (their own least recent idle chunks), then the tier
