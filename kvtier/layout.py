@@ -47,7 +47,6 @@ __all__ = [
     "SLOT_ALIGNMENT",
     "DTYPE_ITEMSIZE",
     "KVGeometry",
-    "ShardLayout",
     "Namespace",
     "normalize_dtype",
     "torch_dtype",
@@ -154,31 +153,6 @@ def _check_positive(name: str, value: object) -> None:
 
 
 @dataclass(frozen=True, slots=True)
-class ShardLayout:
-    """Where one TP rank's KV heads sit inside a canonical page.
-
-    A page is ``rows = 2 * block_size`` rows (K rows then V rows, one per token) of ``row_bytes``
-    (all heads × head_dim × itemsize). The rank's bytes in row ``r`` are
-    ``[r * row_bytes + shard_row_offset, ... + shard_row_bytes)``; its heads are
-    ``heads_start .. heads_start + heads_count - 1``.
-    """
-
-    heads_start: int
-    heads_count: int
-    row_bytes: int
-    shard_row_offset: int
-    shard_row_bytes: int
-    rows: int
-
-    def spans(self) -> list[tuple[int, int]]:
-        """``(offset, length)`` of each row's shard inside a page, in row order."""
-        return [
-            (row * self.row_bytes + self.shard_row_offset, self.shard_row_bytes)
-            for row in range(self.rows)
-        ]
-
-
-@dataclass(frozen=True, slots=True)
 class KVGeometry:
     """The shape of one model's KV cache, and the byte layout kvtier derives from it.
 
@@ -273,21 +247,6 @@ class KVGeometry:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
         return (block_in_chunk * self.num_layers + layer) * self.page_bytes
-
-    def shard(self, tp_rank: int) -> ShardLayout:
-        """Where TP rank ``tp_rank``'s ``num_kv_heads / tp_size`` heads sit inside a page."""
-        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < self.tp_size:
-            raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {tp_rank!r}")
-        heads = self.num_kv_heads // self.tp_size
-        head_bytes = self.head_dim * self.itemsize
-        return ShardLayout(
-            heads_start=tp_rank * heads,
-            heads_count=heads,
-            row_bytes=self.num_kv_heads * head_bytes,
-            shard_row_offset=tp_rank * heads * head_bytes,
-            shard_row_bytes=heads * head_bytes,
-            rows=2 * self.block_size,
-        )
 
     def run_fields(
         self,

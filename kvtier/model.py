@@ -24,7 +24,10 @@ last token, followed by ``g`` (:func:`kvtier.keys.make_offload_key`).
 **Host slots** are shared by every group and sized for the largest group chunk. A group chunk
 is block-major, then layer, then the group's page (its parts one after the other, each at a
 16-byte aligned offset): ``blocks_per_chunk`` blocks for attention and MLA groups, one block (the
-state at the chunk's end) for a Mamba group.
+state at the chunk's end) for a Mamba group. At ``tp_size > 1`` each rank of kvtier's engine holds
+its own heads only: its slots, copies and chunk files follow :meth:`KVModel.rank_local` (the page
+with ``num_kv_heads // tp_size`` heads, contiguous, nothing left for other ranks), and its chunk
+files go to a tree of its own (:attr:`KVModel.parallel_agnostic`).
 
 A :class:`kvtier.layout.KVGeometry` is the one-group case: :meth:`KVModel.of` turns it into a
 model with one ``full_attention`` group and the same run fields, keys and host layout.
@@ -35,7 +38,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from kvtier.errors import ConfigError
@@ -359,7 +362,7 @@ class KVModel:
         return self.chunk_tokens(group, blocks_per_chunk) // self.hash_block_size
 
     def chunk_bytes(self, group: int, blocks_per_chunk: int) -> int:
-        """Bytes of one chunk of group ``group`` in a host slot (all ranks)."""
+        """Bytes of one chunk of group ``group`` with every head (one rank's: :meth:`rank_local`'s)."""
         _positive("blocks_per_chunk", blocks_per_chunk)
         g = self.groups[group]
         return g.blocks_per_slot(blocks_per_chunk) * g.num_layers * g.page_bytes(self.dtype)
@@ -386,14 +389,33 @@ class KVModel:
     # ------------------------------------------------------------------ namespace
     @property
     def parallel_agnostic(self) -> bool:
-        """Whether persisted bytes are topology-independent in vLLM's sense: one full-attention
-        group (heads concatenated in the canonical page), or one MLA group replicated over
-        ``tp_size > 1`` ranks (vLLM's replicated layout; at TP 1 vLLM names the sizes). Hybrid
-        models name their parallel sizes, as vLLM does for them."""
+        """Whether the bytes a rank persists are topology-independent, so that every rank (and
+        every TP size) shares one tree: one full-attention group at TP 1 (named as vLLM names
+        that run), or one MLA group replicated over ``tp_size > 1`` ranks (vLLM's replicated
+        layout: every rank holds the same latents; at TP 1 vLLM names the sizes). An attention
+        model at ``tp_size > 1`` is not: each rank persists only its own heads
+        (:meth:`rank_local`), so its run names its sizes and each rank gets a tree of its own
+        (vLLM's ranks share one host region and write whole pages; kvtier's engine ranks are
+        separate processes and do not). Hybrid models name their parallel sizes, as vLLM does
+        for them."""
         if len(self.groups) != 1:
             return False
         kind = self.groups[0].kind
-        return kind == "full_attention" or (kind == "mla" and self.tp_size > 1)
+        if kind == "full_attention":
+            return self.tp_size == 1
+        return kind == "mla" and self.tp_size > 1
+
+    def rank_local(self) -> KVModel:
+        """The model as one TP rank of kvtier's engine holds its KV: every attention group with
+        ``num_kv_heads // tp_size`` heads, ``tp_size`` 1 (MLA latents are whole on every rank;
+        Mamba state needs ``tp_size`` 1). A rank's host slots, copies and chunk files are laid
+        out by it: its own heads, contiguous, with no room left for other ranks' heads. Keys and
+        run fields stay the whole model's (:meth:`run_fields`). The model itself at TP 1."""
+        if self.tp_size == 1:
+            return self
+        groups = tuple(replace(group, num_kv_heads=group.num_kv_heads // self.tp_size)  # type: ignore[operator]
+                       if group.is_attention else group for group in self.groups)
+        return replace(self, groups=groups, tp_size=1)
 
     def run_fields(self, blocks_per_chunk: int, inference_engine: str = "kvtier", *,
                    namespace_tag: str | None = None) -> dict[str, Any]:

@@ -103,54 +103,6 @@ def test_invalid_geometry_is_a_config_error(overrides: dict) -> None:
         geometry(**overrides)
 
 
-@pytest.mark.parametrize("tp_size", [1, 2, 4])
-def test_shard_layout_places_rank_heads_inside_rows(tp_size: int) -> None:
-    g = geometry(tp_size=tp_size)
-    row_bytes = 8 * 64 * 2
-    for rank in range(tp_size):
-        s = g.shard(rank)
-        assert s.heads_count == 8 // tp_size
-        assert s.heads_start == rank * s.heads_count
-        assert s.row_bytes == row_bytes
-        assert s.shard_row_offset == s.heads_start * 64 * 2
-        assert s.shard_row_bytes == row_bytes // tp_size
-        assert s.rows == 32
-    with pytest.raises(ValueError):
-        g.shard(tp_size)
-
-
-def test_shard_spans_select_the_ranks_heads_of_a_page_tensor() -> None:
-    g = geometry(num_kv_heads=4, head_dim=2, block_size=2, dtype="float32", tp_size=2)
-    page = torch.arange(g.page_bytes // 4, dtype=torch.float32).reshape(g.page_shape)
-    raw = page.numpy().tobytes()
-    s = g.shard(1)
-    got = b"".join(raw[off : off + n] for off, n in s.spans())
-    assert got == page[:, :, 2:4, :].contiguous().numpy().tobytes()
-
-
-@settings(max_examples=80, deadline=None)
-@given(
-    tp_size=st.sampled_from([1, 2, 4]),
-    heads_per_rank=st.integers(1, 4),
-    head_dim=st.integers(1, 16),
-    block_size=st.integers(1, 8),
-    dtype=st.sampled_from(["float16", "float32", "fp8"]),
-)
-def test_shards_of_all_ranks_cover_the_page_exactly_once(
-    tp_size: int, heads_per_rank: int, head_dim: int, block_size: int, dtype: str
-) -> None:
-    g = geometry(
-        num_kv_heads=tp_size * heads_per_rank, head_dim=head_dim, block_size=block_size,
-        dtype=dtype, tp_size=tp_size,
-    )
-    covered = bytearray(g.page_bytes)
-    for rank in range(tp_size):
-        for offset, length in g.shard(rank).spans():
-            for i in range(offset, offset + length):
-                covered[i] += 1
-    assert covered == bytearray([1]) * g.page_bytes
-
-
 # --- run fields and digest --------------------------------------------------------------------
 
 

@@ -34,8 +34,8 @@ from kvtier.model import KVCacheGroup, KVModel
 MODEL = "meta-llama/Llama-3-8B"
 
 
-def geometry(**extra: Any) -> KVGeometry:
-    return KVGeometry(MODEL, 4, 8, 128, "bfloat16", 16, tp_size=2, **extra)
+def geometry(tp_size: int = 2, **extra: Any) -> KVGeometry:
+    return KVGeometry(MODEL, 4, 8, 128, "bfloat16", 16, tp_size=tp_size, **extra)
 
 
 def hybrid(**extra: Any) -> KVModel:
@@ -63,7 +63,11 @@ def test_without_a_manifest_the_fields_and_digests_are_unchanged() -> None:
     assert run_fingerprint(fields).hex() == PINNED_FINGERPRINT
     assert run_digest(fields) == "5191753b4879"
     assert namespace("/r", fields, 1).base_dir == "/r/meta-llama_Llama-3-8B_5191753b4879"
-    assert run_digest(KVModel.of(geometry()).run_fields(4, "vllm")) == "f6d678c713ad"
+    assert run_digest(KVModel.of(geometry(tp_size=1)).run_fields(4, "vllm")) == "f6d678c713ad"
+    # At TP > 1 each engine rank persists its own heads only: the sizes are named, a tree per rank.
+    sharded = KVModel.of(geometry()).run_fields(4, "vllm")
+    assert (sharded["tp_size"], sharded["parallel_agnostic"]) == (2, False)
+    assert namespace("/r", sharded, 1).blocks_dir.endswith("_r1")
     assert run_digest(hybrid().run_fields(2)) == "d6d32b580b6e"
     assert run_digest(mla().run_fields(1)) == "c89509ecd40b"
     assert with_manifest(fields) == fields
@@ -94,7 +98,7 @@ def test_a_revision_or_a_tag_is_another_digest() -> None:
     digests = {run_digest(f) for f in (plain, rev_a, rev_b, tagged)}
     assert len(digests) == 4
     assert KVModel.of(geometry(model_revision="rev-a")).model_revision == "rev-a"
-    assert KVModel.of(geometry(model_revision="rev-a")).run_fields(4) == rev_a
+    assert KVModel.of(geometry(1, model_revision="rev-a")).run_fields(4) == rev_a
     assert hybrid(model_revision="r").run_fields(2) == {**hybrid().run_fields(2), "model_revision": "r"}
     assert manifest_of(with_manifest(plain, model_revision="rev-a", namespace_tag="t")) == {
         "model": MODEL, "model_revision": "rev-a", "namespace_tag": "t"}

@@ -88,7 +88,7 @@ _VLLM_ONLY: Mapping[str, str] = {
                             "or a lookup verdict arrives), so there is no interval to set",
     "sync_load_budget_bytes": "every kvtier load is awaited by its caller until its bytes are on the "
                               "device, so there is no asynchronous step for a budget to save",
-    "canonical_layout": "kvtier's host pages have one layout of their own (TP-independent, "
+    "canonical_layout": "kvtier's host pages have one layout of their own (a rank's own heads, "
                         "docs/internals.md), not vLLM's canonical format",
 }
 

@@ -115,7 +115,7 @@ class EngineParts:
             from kvtier.host.copy_factory import make_copy_engine  # torch: only with device_kv
 
             self.copy_engine = make_copy_engine(
-                self.device_kv, self.model, self.blocks_per_chunk, self.host.buffer, tp_rank=self.tp_rank
+                self.device_kv, self.model, self.blocks_per_chunk, self.host.buffer
             )
             self.copies = DeviceCopies(self.copy_engine)
             self.copy_engine.set_wakeup(wake)

@@ -135,12 +135,16 @@ class Engine:
         self.geometry = geometry
         #: The model's KV-cache groups (:meth:`KVModel.of` of a geometry).
         self.model = model = KVModel.of(geometry)
+        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < model.tp_size:
+            raise ConfigError(f"tp_rank must be in [0, {model.tp_size}) (the model's tp_size), got {tp_rank!r}")
         self.device_kv = device_kv
         self.tp_rank = tp_rank
         self.blocks_per_chunk = config.resolve_blocks_per_chunk(_device_block_size(model, config))
         #: Tokens per chunk of the first group (the only group of a one-group model).
         self.chunk_tokens = model.chunk_tokens(0, self.blocks_per_chunk)
-        self.slot_bytes = model.slot_bytes(self.blocks_per_chunk)
+        #: Bytes of one host slot: a chunk of this rank's KV (its own heads at TP > 1, see
+        #: :meth:`KVModel.rank_local`), rounded up to 4096.
+        self.slot_bytes = model.rank_local().slot_bytes(self.blocks_per_chunk)
         self.num_slots = config.num_slots(self.slot_bytes)
         #: Bytes of the host tier: ``cpu_bytes_to_use`` rounded down to whole slots.
         self.host_bytes = self.num_slots * self.slot_bytes
@@ -590,6 +594,9 @@ async def open(  # noqa: A001 - the public name is kvtier.open
     "host": H}`` serves ``/metrics`` (the registry is ``engine.metrics.registry`` either way);
     ``warmup={"port": P, ...}`` serves the warm-up endpoint a router calls to prefetch a prefix
     (``docs/embedding.md``, "Warm-up endpoint"; ``engine.warmup_server``).
+    ``tp_rank`` is this process's rank among the model's ``tp_size`` (``device_kv`` then holds its
+    ``num_kv_heads // tp_size`` heads): a rank's host slots hold its own heads only, and at
+    ``tp_size > 1`` its chunks go to a tree of its own (``docs/embedding.md``, "Tensor parallelism").
     Raises :class:`kvtier.ConfigError` for a bad configuration, an unusable tier, a host buffer
     the machine cannot allocate, an events endpoint, metrics port or warm-up endpoint that cannot
     be bound (all before yielding).

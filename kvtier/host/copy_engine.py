@@ -96,13 +96,12 @@ class CopyEngine(abc.ABC):
         model: KVModel | KVGeometry,
         blocks_per_chunk: int,
         buffer: SlotBuffer,
-        tp_rank: int = 0,
         *,
         max_queued_jobs: int = 1024,
     ) -> None:
         if max_queued_jobs < 1:
             raise ConfigError(f"max_queued_jobs must be >= 1, got {max_queued_jobs}")
-        self._plans = plan_copies(device_kv, model, blocks_per_chunk, buffer, tp_rank)
+        self._plans = plan_copies(device_kv, model, blocks_per_chunk, buffer)
         # Opened last, so a constructor that raises leaves nothing to close. Each queued item
         # carries what the engine prepared at submit time (see _on_submit).
         self._send, self._receive = anyio.create_memory_object_stream[tuple[CopyJob, Any]](max_queued_jobs)
@@ -119,7 +118,7 @@ class CopyEngine(abc.ABC):
     # --- manager-facing (sync, loop thread) ---------------------------------------------------
     @property
     def chunk_bytes(self) -> int:
-        """Bytes one chunk of group 0 occupies in a host slot (all ranks together)."""
+        """Bytes one chunk of group 0 occupies in a host slot (this rank's heads)."""
         return self._plans.model.chunk_bytes(0, self._plans.blocks_per_chunk)
 
     @property

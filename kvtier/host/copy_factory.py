@@ -22,7 +22,6 @@ def make_copy_engine(
     model: KVModel | KVGeometry,
     blocks_per_chunk: int,
     buffer: SlotBuffer,
-    tp_rank: int = 0,
     **options: Any,
 ) -> CopyEngine:
     """The CUDA engine when ``device_kv`` lives on a CUDA device, the CPU engine otherwise.
@@ -31,5 +30,5 @@ def make_copy_engine(
     a cross-layer tensor for a one-group model, else a mapping layer name → tensor(s)).
     """
     if first_tensor(device_kv).device.type == "cuda":
-        return CudaCopyEngine(device_kv, model, blocks_per_chunk, buffer, tp_rank, **options)
-    return CpuCopyEngine(device_kv, model, blocks_per_chunk, buffer, tp_rank, **options)
+        return CudaCopyEngine(device_kv, model, blocks_per_chunk, buffer, **options)
+    return CpuCopyEngine(device_kv, model, blocks_per_chunk, buffer, **options)

@@ -16,12 +16,13 @@ block_size, latent_dim]`` and Mamba state ``k`` ``[num_blocks, *state_shapes[k]]
 ``state_dtypes[k]``); MLA latents and Mamba state are whole on every rank. The tensors of one
 group share ``num_blocks``; every tensor is contiguous and on one device.
 
-A host slot is canonical and independent of TP (``docs/internals.md``): a chunk of group ``g``
-is block-major, then the group's layers, then the group's page (its parts at their offsets), i.e.
-page ``(b, l)`` of the group at ``(b * num_layers + l) * page_bytes``. A rank copies into its
-head slice of every attention page, so ``tp_size`` ranks together fill one slot; with one
-full-attention group this is the slot viewed as ``[bpc, num_layers, 2, block_size, all_heads,
-head_dim]``.
+A host slot holds one chunk of this rank's KV (``docs/internals.md``): a chunk of group ``g`` is
+block-major, then the group's layers, then the group's page as this rank holds it
+(:meth:`kvtier.model.KVModel.rank_local`: its parts at their offsets, an attention part with this
+rank's ``num_kv_heads // tp_size`` heads), i.e. page ``(b, l)`` of the group at
+``(b * num_layers + l) * page_bytes``. With one full-attention group this is the slot viewed as
+``[bpc, num_layers, 2, block_size, rank_heads, head_dim]``: at any TP size a rank's slot is as
+dense as a TP 1 slot, with no room for other ranks' heads.
 
 :func:`plan_copies` validates ``device_kv`` against the model and returns :class:`CopyPlans`:
 per group one :class:`CopyPlan` per page part, which hands out the views a job of that group
@@ -32,7 +33,6 @@ layout alone.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias, Union
 
@@ -55,13 +55,14 @@ DeviceKV: TypeAlias = Union[torch.Tensor, Sequence[torch.Tensor], Mapping[str, U
 class CopyPlan:
     """The views one part of one group's pages is copied between, for one rank.
 
+    ``part`` is the part as this rank holds it (:meth:`kvtier.model.KVModel.rank_local`).
     ``tensors`` are the group's device tensors of this part: one per layer ``[num_blocks,
-    *rank_shape]``, or one cross-layer tensor ``[num_blocks, num_layers, *rank_shape]``
+    *part.shape]``, or one cross-layer tensor ``[num_blocks, num_layers, *part.shape]``
     (validated by :func:`plan_copies`). ``bpc`` is the device blocks one chunk of the group
     copies (``KVCacheGroup.blocks_per_slot``). :meth:`pairs` yields ``(host_view, device_view)``
     tensor pairs for a job, coalescing runs of consecutive device blocks into one copy (with the
-    cross-layer layout a run is one contiguous region on both sides when the rank's part is the
-    whole page).
+    cross-layer layout a run is one contiguous region on both sides when the part is the whole
+    page).
     """
 
     def __init__(
@@ -74,8 +75,6 @@ class CopyPlan:
         page_bytes: int,
         blocks_per_slot: int,
         buffer: SlotBuffer,
-        tp_rank: int = 0,
-        tp_size: int = 1,
     ) -> None:
         if blocks_per_slot < 1:
             raise ConfigError(f"blocks_per_chunk must be >= 1, got {blocks_per_slot}")
@@ -89,7 +88,6 @@ class CopyPlan:
         self.device = self.device_kv[0].device
         self.num_blocks = int(self.device_kv[0].shape[0])
         self.dtype = torch_dtype(part.dtype)
-        self.rank_shape = part.rank_shape(tp_size)
         itemsize = part.itemsize
         for name, value in (("page_bytes", page_bytes), ("part offset", part.offset), ("slot_bytes", buffer.slot_bytes)):
             if value % itemsize:
@@ -97,8 +95,7 @@ class CopyPlan:
         self.buffer = buffer
         self.num_slots = buffer.num_slots
         # The whole host buffer as [num_slots, bpc, layers, *part.shape] over the slots' bytes (slot
-        # stride = slot_bytes, page stride = page_bytes: padding and other parts are skipped),
-        # narrowed to this rank's share of the sharded dimension.
+        # stride = slot_bytes, page stride = page_bytes: padding and other parts are skipped).
         host = buffer.tensor
         if host.device.type != "cpu":  # pragma: no cover - SlotBuffer always lives on the host
             raise ConfigError("host buffer must be CPU memory")
@@ -112,32 +109,26 @@ class CopyPlan:
         strides[2] = page_bytes // itemsize
         strides[1] = num_layers * strides[2]
         strides[0] = buffer.slot_bytes // itemsize
-        view = full.as_strided(shape, strides, part.offset // itemsize)
-        if part.shard_dim is not None:
-            count = self.rank_shape[part.shard_dim]
-            view = view.narrow(3 + part.shard_dim, tp_rank * count, count)
-        self.host = view
-        #: Bytes this rank moves per page of this part (its share of the part).
-        self.rank_page_bytes = math.prod(self.rank_shape) * itemsize
-        #: This rank's part of a host page is the whole page (contiguous): one part, not sliced.
-        self.whole_pages = self.rank_page_bytes == page_bytes
-        #: This rank's part of a host page is one contiguous range, though not the whole page (a
-        #: part of a page of several parts, whole on every rank).
-        self.contiguous_pages = not self.whole_pages and self.rank_shape == part.shape
+        self.host = full.as_strided(shape, strides, part.offset // itemsize)
+        #: The part is the whole page: one part, so a run of pages is one contiguous range.
+        self.whole_pages = part.nbytes == page_bytes
+        #: The part is one contiguous range of each page, though not the whole page (a part of a
+        #: page of several parts).
+        self.contiguous_pages = not self.whole_pages
 
     def layer_range(self, job: CopyJob) -> tuple[int, int]:
         """``(start, stop)`` of the layers ``job`` copies (all of them when ``job.layers`` is ``None``)."""
         return job.layers if job.layers is not None else (0, self.num_layers)
 
     def job_bytes(self, job: CopyJob) -> int:
-        """Bytes this rank moves for this part of ``job`` (its share of the pages of the job's layers)."""
+        """Bytes this part of ``job`` moves (its share of the pages of the job's layers)."""
         start, stop = self.layer_range(job)
-        return self.rank_page_bytes * self.bpc * (stop - start) * len(job.slot_ids)
+        return self.part.nbytes * self.bpc * (stop - start) * len(job.slot_ids)
 
     def gathers(self, job: CopyJob) -> bool:
         """Whether :func:`kvtier.host.cuda_copy.copy_gathered` can move ``job``: the per-layer
-        layout with whole pages (TP 1, or a replicated part), every chunk's part of the host slot
-        contiguous (all layers, or one block per chunk)."""
+        layout with whole pages, every chunk's part of the host slot contiguous (all layers, or
+        one block per chunk)."""
         return (not self.cross_layer and self.whole_pages
                 and (job.layers is None or self.bpc == 1 or self.layer_range(job) == (0, self.num_layers)))
 
@@ -149,7 +140,7 @@ class CopyPlan:
 
     def copies_pages(self, job: CopyJob) -> bool:
         """Whether :func:`kvtier.host.cuda_copy.copy_pairs` should move ``job`` one page at a time:
-        this rank's share of each page is one contiguous host range but the pages are strided
+        the part is one contiguous range of each host page but the pages are strided
         (a part of a page of several parts), so each page is a direct copy."""
         return self.contiguous_pages
 
@@ -212,6 +203,27 @@ class CopyPlans:
         self.device = self.groups[0][0].device
         #: Device blocks of each group: a group's valid block ids are ``[0, group_blocks[g])``.
         self.group_blocks = tuple(plans[0].num_blocks for plans in self.groups)
+        self._unwritten = tuple(_unwritten(model, g, blocks_per_chunk, plans[0].buffer.slot_bytes)
+                                for g, plans in enumerate(self.groups))
+
+    def clear_unwritten(self, job: CopyJob) -> None:
+        """Zero the bytes of the job's slots that its copies do not write: the slot's tail past
+        the group's chunk and the gaps between the parts of its pages. A slot that last held a
+        larger chunk (of another group, perhaps another request's) then carries none of its bytes
+        into this chunk, whose whole slot goes to storage. Run before a store's copies (host
+        memory only: the copies write none of these bytes)."""
+        unwritten = self._unwritten[job.group]
+        if not unwritten:
+            return
+        array = self.groups[job.group][0].buffer.array
+        chunk_bytes, page_bytes, gaps = unwritten
+        for slot in job.slot_ids:
+            row = array[slot]
+            row[chunk_bytes:] = 0
+            if gaps:
+                pages = row[:chunk_bytes].reshape(-1, page_bytes)
+                for start, stop in gaps:
+                    pages[:, start:stop] = 0
 
     def validate(self, job: CopyJob) -> str | None:
         """Why ``job`` cannot run, or ``None`` when it is well formed."""
@@ -238,7 +250,7 @@ class CopyPlans:
         return None
 
     def job_bytes(self, job: CopyJob) -> int:
-        """Bytes this rank moves for ``job`` (every part of its group)."""
+        """Bytes ``job`` moves (every part of its group, this rank's share of it)."""
         return sum(plan.job_bytes(job) for plan in self.groups[job.group])
 
 
@@ -247,9 +259,9 @@ def plan_copies(
     model: KVModel | KVGeometry,
     blocks_per_chunk: int,
     buffer: SlotBuffer,
-    tp_rank: int = 0,
 ) -> CopyPlans:
-    """Validate ``device_kv`` against ``model`` (module docstring) and build every group's plans.
+    """Validate ``device_kv`` against ``model`` (module docstring) and build every group's plans,
+    laid out as one rank holds the model (:meth:`kvtier.model.KVModel.rank_local`).
 
     ``ConfigError`` names what does not fit: the layer (its group index and kind), the shape got
     and the one expected with its legend, a dtype, a block count, a device, a non-contiguous tensor,
@@ -258,8 +270,6 @@ def plan_copies(
     model = KVModel.of(model)
     if isinstance(blocks_per_chunk, bool) or not isinstance(blocks_per_chunk, int) or blocks_per_chunk < 1:
         raise ConfigError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk!r}")
-    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < model.tp_size:
-        raise ConfigError(f"tp_rank must be in [0, {model.tp_size}), got {tp_rank!r}")
     cross_layers, layer_values = _layer_values(device_kv, model)
     # The list and cross-layer forms (one group) name tensors by position, a mapping by layer and group.
     positional = not isinstance(device_kv, Mapping)
@@ -288,6 +298,7 @@ def plan_copies(
         if first_of_group is not None and first_of_group[1] < 1:
             raise ConfigError("device_kv has no blocks")
         group_tensors.append(per_part)
+    model = model.rank_local()  # validated above against the whole model, as the error messages say
     for g, group in enumerate(model.groups):
         need = model.chunk_bytes(g, blocks_per_chunk)
         if buffer.slot_bytes < need:
@@ -297,12 +308,33 @@ def plan_copies(
         [
             CopyPlan(tensors, part, cross_layer=cross_layer, num_layers=group.num_layers,
                      page_bytes=group.page_bytes(model.dtype), blocks_per_slot=group.blocks_per_slot(blocks_per_chunk),
-                     buffer=buffer, tp_rank=tp_rank, tp_size=model.tp_size)
+                     buffer=buffer)
             for part, tensors in zip(group.parts(model.dtype), per_part)
         ]
         for group, per_part, cross_layer in zip(model.groups, group_tensors, cross_layers)
     ]
     return CopyPlans(model, blocks_per_chunk, plans)
+
+
+def _unwritten(model: KVModel, group: int, blocks_per_chunk: int,
+               slot_bytes: int) -> tuple[int, int, list[tuple[int, int]]] | None:
+    """What the copies of a chunk of ``group`` leave unwritten in its slot: ``(chunk_bytes,
+    page_bytes, gaps)``, the gaps ``(start, stop)`` inside each page between its parts; ``None``
+    when they write the whole slot."""
+    g = model.groups[group]
+    page_bytes = g.page_bytes(model.dtype)
+    gaps = []
+    end = 0
+    for part in sorted(g.parts(model.dtype), key=lambda part: part.offset):
+        if part.offset > end:
+            gaps.append((end, part.offset))
+        end = part.offset + part.nbytes
+    if end < page_bytes:
+        gaps.append((end, page_bytes))
+    chunk_bytes = model.chunk_bytes(group, blocks_per_chunk)
+    if not gaps and chunk_bytes == slot_bytes:
+        return None
+    return chunk_bytes, page_bytes, gaps
 
 
 def first_tensor(device_kv: DeviceKV) -> torch.Tensor:

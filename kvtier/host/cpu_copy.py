@@ -75,7 +75,6 @@ class CpuCopyEngine(CopyEngine):
         model: KVModel | KVGeometry,
         blocks_per_chunk: int,
         buffer: SlotBuffer,
-        tp_rank: int = 0,
         *,
         max_queued_jobs: int = 1024,
         max_concurrent_jobs: int = 2,
@@ -85,7 +84,7 @@ class CpuCopyEngine(CopyEngine):
             raise ConfigError(f"CpuCopyEngine needs CPU tensors, device_kv is on {device}")
         if max_concurrent_jobs < 1:
             raise ConfigError(f"max_concurrent_jobs must be >= 1, got {max_concurrent_jobs}")
-        super().__init__(device_kv, model, blocks_per_chunk, buffer, tp_rank, max_queued_jobs=max_queued_jobs)
+        super().__init__(device_kv, model, blocks_per_chunk, buffer, max_queued_jobs=max_queued_jobs)
         self._concurrency = max_concurrent_jobs
         self._limiter = anyio.CapacityLimiter(max_concurrent_jobs)
         # Per group, per part: the plan and byte views (last dim in bytes) of the same memory; never copies.
@@ -131,6 +130,8 @@ class CpuCopyEngine(CopyEngine):
             start = time.monotonic()
             try:
                 nbytes = 0
+                if job.direction == "to_host":
+                    self._plans.clear_unwritten(job)
                 for plan, host_bytes, device_bytes in self._views[job.group]:
                     nbytes += _copy_pairs_numpy(plan, job, host_bytes, device_bytes)
             except Exception as exc:  # noqa: BLE001 - reported per job by the caller

@@ -85,12 +85,12 @@ def copy_gathered(plan: CopyPlan, job: CopyJob, non_blocking: bool = False) -> i
 def copy_staged(
     plan: CopyPlan, job: CopyJob, non_blocking: bool = False
 ) -> tuple[int, Callable[[], None] | None]:
-    """Move a job whose part of the host slots is strided — a TP > 1 rank's heads inside every
-    page, or a layer group of a multi-block chunk — without the pageable staging (and wait) torch
-    would add for a strided host copy, and without a call per page.
+    """Move a job whose part of the host slots is strided — a layer group of a multi-block chunk
+    (block-major in its slot), or of a cross-layer tensor — without the pageable staging (and
+    wait) torch would add for a strided host copy, and without a call per page.
 
-    The rank's part of the job is gathered on the device into a contiguous scratch
-    (``[blocks, layers, *rank_shape]``; for attention K/V, block_size, rank heads, head_dim) and
+    The job's pages are gathered on the device into a contiguous scratch
+    (``[blocks, layers, *part.shape]``; for attention K/V, block_size, heads, head_dim) and
     moved in one DMA to or from a contiguous pinned staging buffer; the CPU does the strided part. A load fills the staging
     from the host slots first (CPU work, no wait for the device), then copies and scatters into
     the device blocks. A store's bytes reach the host slots only once the DMA has finished: the
@@ -102,7 +102,7 @@ def copy_staged(
     blocks = torch.as_tensor(list(job.block_ids), dtype=torch.long)
     if on_cuda:
         blocks = blocks.pin_memory().to(plan.device, non_blocking=non_blocking)
-    page = plan.rank_shape  # e.g. K/V, block_size, rank heads, head_dim
+    page = plan.part.shape  # e.g. K/V, block_size, heads, head_dim
     chunks = len(job.slot_ids)
     shape = (chunks, plan.bpc, stop - first, *page)
     staging = torch.empty(shape, dtype=plan.dtype, pin_memory=on_cuda)
@@ -181,14 +181,15 @@ class CudaCopyEngine(CopyEngine):
 
     A job copies every part of its group's pages, each with the routine that fits that part.
     Copy granularity, never one Python call per page of a whole-page part: cross-layer with whole
-    pages (TP 1, or a replicated MLA group; all layers) copies each run of consecutive blocks in one
-    DMA; per-layer with whole pages gathers the job's pages on the device and copies each chunk in
-    one DMA (:func:`copy_gathered`). A part of a page of several parts (Mamba state tensors) is
-    one contiguous range per page: copied page by page (:func:`copy_pairs`, one direct DMA each).
-    Everything else — a TP > 1 rank, whose heads are strided inside each host page, or a layer
-    group of a multi-block chunk, strided in its slot — is gathered on the device and moved
-    through a contiguous pinned staging buffer (:func:`copy_staged`), the CPU doing the strided
-    part: for a store after the DMA, on the completion thread, before the job is reported.
+    pages (all layers) copies each run of consecutive blocks in one DMA; per-layer with whole
+    pages gathers the job's pages on the device and copies each chunk in one DMA
+    (:func:`copy_gathered`). A part of a page of several parts (Mamba state tensors) is one
+    contiguous range per page: copied page by page (:func:`copy_pairs`, one direct DMA each).
+    Everything else — a layer group of a multi-block chunk, strided in its slot — is gathered on
+    the device and moved through a contiguous pinned staging buffer (:func:`copy_staged`), the
+    CPU doing the strided part: for a store after the DMA, on the completion thread, before the
+    job is reported. A TP > 1 rank's slots hold its own heads densely
+    (:meth:`kvtier.model.KVModel.rank_local`), so its copies take the same routines as at TP 1.
     """
 
     def __init__(
@@ -197,7 +198,6 @@ class CudaCopyEngine(CopyEngine):
         model: KVModel | KVGeometry,
         blocks_per_chunk: int,
         buffer: SlotBuffer,
-        tp_rank: int = 0,
         *,
         max_queued_jobs: int = 1024,
     ) -> None:
@@ -209,7 +209,7 @@ class CudaCopyEngine(CopyEngine):
             raise ConfigError(f"CudaCopyEngine needs CUDA tensors, device_kv is on {device}")
         if not buffer.pinned:
             raise ConfigError("CudaCopyEngine needs a pinned host buffer (SlotBuffer(pin_memory=True))")
-        super().__init__(device_kv, model, blocks_per_chunk, buffer, tp_rank, max_queued_jobs=max_queued_jobs)
+        super().__init__(device_kv, model, blocks_per_chunk, buffer, max_queued_jobs=max_queued_jobs)
         self._cuda_device = self._plans.device
         # Every CUDA object is created here, after the availability check.
         self._streams = {
@@ -257,6 +257,8 @@ class CudaCopyEngine(CopyEngine):
         job that failed part-way)."""
         stream = self._streams[job.direction]
         start = time.monotonic()
+        if job.direction == "to_host":
+            self._plans.clear_unwritten(job)  # host bytes no copy writes: no stream order needed
         with torch.cuda.device(self._cuda_device), torch.cuda.stream(stream):
             stream.wait_event(ready)
             started = torch.cuda.Event(enable_timing=True)

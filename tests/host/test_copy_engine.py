@@ -23,6 +23,7 @@ from kvtier.host.cpu_copy import CpuCopyEngine, _copy_pairs_numpy
 from kvtier.host.cuda_copy import CudaCopyEngine, copy_gathered, copy_pairs, copy_staged
 from kvtier.host.slots import SlotBuffer
 from kvtier.layout import KVGeometry
+from kvtier.model import KVModel
 
 NUM_BLOCKS = 16
 
@@ -49,9 +50,9 @@ def random_kv(
     ]
 
 
-def single_plan(device_kv, geo: KVGeometry, bpc: int, buffer: SlotBuffer, tp_rank: int = 0) -> CopyPlan:
+def single_plan(device_kv, geo: KVGeometry, bpc: int, buffer: SlotBuffer) -> CopyPlan:
     """The plan of the one part of a one-group model's pages (what the engines copy through)."""
-    [[plan]] = plan_copies(device_kv, geo, bpc, buffer, tp_rank).groups
+    [[plan]] = plan_copies(device_kv, geo, bpc, buffer).groups
     return plan
 
 
@@ -107,31 +108,28 @@ async def test_host_slot_holds_canonical_block_major_layout(cross_layer: bool) -
 
 @pytest.mark.anyio
 @pytest.mark.parametrize("cross_layer", [True, False], ids=["cross_layer", "per_layer"])
-async def test_two_tp_ranks_fill_one_slot_with_their_head_slices(cross_layer: bool) -> None:
-    geo = geometry(tp_size=2)
-    full = geometry(tp_size=1)
+async def test_a_tp_rank_slot_holds_its_own_heads_densely(cross_layer: bool) -> None:
+    """At TP 2 a rank's slot is what a TP 1 model with the rank's two heads would hold: its own
+    heads, contiguous, half the bytes of a slot of every head, nothing else written."""
+    geo = geometry(tp_size=2, num_layers=16)
+    local = KVGeometry(model_name="test-model", num_layers=16, num_kv_heads=2, head_dim=8, dtype="bfloat16",
+                       block_size=4)
     bpc = 2
-    ranks = [random_kv(geo, cross_layer, seed=10 + r) for r in range(2)]
-    buffer = SlotBuffer(3, geo.slot_bytes(bpc), pin_memory=False)
-    for rank, kv in enumerate(ranks):
-        results = await run_jobs(CpuCopyEngine(kv, geo, bpc, buffer, tp_rank=rank), [CopyJob(rank, "to_host", [2], [4, 9])])
-        assert results[0].success and results[0].nbytes == geo.chunk_bytes(bpc) // 2
-
-    # The slot equals what one TP=1 rank holding all heads would have written.
-    joined = [
-        torch.cat([block(ranks[0], b), block(ranks[1], b)], dim=-2) for b in range(NUM_BLOCKS)
-    ]
-    whole = torch.stack(joined)
-    reference = SlotBuffer(3, full.slot_bytes(bpc), pin_memory=False)
-    await run_jobs(CpuCopyEngine(whole, full, bpc, reference), [CopyJob(0, "to_host", [2], [4, 9])])
+    rank_slot = KVModel.of(geo).rank_local().slot_bytes(bpc)
+    assert rank_slot == local.slot_bytes(bpc) and 2 * rank_slot == geo.slot_bytes(bpc)  # no room for other ranks
+    kv = random_kv(geo, cross_layer, seed=10)
+    buffer = SlotBuffer(3, rank_slot, pin_memory=False)
+    reference = SlotBuffer(3, rank_slot, pin_memory=False)
+    results = await run_jobs(CpuCopyEngine(kv, geo, bpc, buffer), [CopyJob(0, "to_host", [2], [4, 9])])
+    assert results[0].success and results[0].nbytes == geo.chunk_bytes(bpc) // 2 == rank_slot
+    await run_jobs(CpuCopyEngine(kv, local, bpc, reference), [CopyJob(0, "to_host", [2], [4, 9])])
     assert torch.equal(buffer.tensor[2], reference.tensor[2])
+    assert buffer.tensor[2].any() and not buffer.tensor[0].any() and not buffer.tensor[1].any()
 
-    # And each rank loads back exactly its own heads.
-    for rank in range(2):
-        dst = random_kv(geo, cross_layer, seed=99)
-        await run_jobs(CpuCopyEngine(dst, geo, bpc, buffer, tp_rank=rank), [CopyJob(0, "to_device", [2], [0, 1])])
-        assert torch.equal(block(dst, 0).view(torch.int16), block(ranks[rank], 4).view(torch.int16))
-        assert torch.equal(block(dst, 1).view(torch.int16), block(ranks[rank], 9).view(torch.int16))
+    dst = random_kv(geo, cross_layer, seed=99)
+    await run_jobs(CpuCopyEngine(dst, geo, bpc, buffer), [CopyJob(1, "to_device", [2], [0, 1])])
+    assert torch.equal(block(dst, 0).view(torch.int16), block(kv, 4).view(torch.int16))
+    assert torch.equal(block(dst, 1).view(torch.int16), block(kv, 9).view(torch.int16))
     buffer.close()
     reference.close()
 
@@ -152,8 +150,6 @@ def test_device_kv_of_wrong_shape_is_a_config_error() -> None:
         CpuCopyEngine(random_kv(geometry(tp_size=2), cross_layer=True), geo, 1, buffer)
     with pytest.raises(ConfigError, match="cannot hold"):
         CpuCopyEngine(good, geo, 4, buffer)
-    with pytest.raises(ConfigError, match="tp_rank"):
-        CpuCopyEngine(good, geo, 1, buffer, tp_rank=1)
     buffer.close()
 
 
@@ -269,15 +265,14 @@ def test_torch_copy_path_of_the_cuda_engine_matches_the_cpu_engine(cross_layer: 
     kv = random_kv(geo, cross_layer, seed=5)
     blocks = [3, 4, 5, 9, 0, 1, 2, 15]
     buffers = [SlotBuffer(3, geo.slot_bytes(bpc), pin_memory=False) for _ in range(2)]
-    rank = tp_size - 1
-    numpy_plan = single_plan(kv, geo, bpc, buffers[0], rank)
+    numpy_plan = single_plan(kv, geo, bpc, buffers[0])
     host_bytes = numpy_plan.host.view(torch.uint8).numpy()
     device_bytes = [t.view(torch.uint8).numpy() for t in numpy_plan.device_kv]
     _copy_pairs_numpy(numpy_plan, CopyJob(0, "to_host", [2, 0], blocks), host_bytes, device_bytes)
-    copy_pairs(single_plan(kv, geo, bpc, buffers[1], rank), CopyJob(0, "to_host", [2, 0], blocks), non_blocking=True)
+    copy_pairs(single_plan(kv, geo, bpc, buffers[1]), CopyJob(0, "to_host", [2, 0], blocks), non_blocking=True)
     assert torch.equal(buffers[0].tensor, buffers[1].tensor)
     dst = random_kv(geo, cross_layer, seed=6)
-    load_plan = single_plan(dst, geo, bpc, buffers[1], rank)
+    load_plan = single_plan(dst, geo, bpc, buffers[1])
     copy_pairs(load_plan, CopyJob(1, "to_device", [2, 0], blocks), non_blocking=True)
     for b in blocks:
         assert torch.equal(block(dst, b).view(torch.int16), block(kv, b).view(torch.int16))
@@ -317,14 +312,14 @@ def test_torch_copy_path_of_a_layer_range_matches_the_numpy_path(cross_layer: bo
     src = random_kv(geo, cross_layer, seed=7)
     buffer = SlotBuffer(2, geo.slot_bytes(bpc), pin_memory=False)
     blocks = [3, 4, 5, 9]
-    plan = single_plan(src, geo, bpc, buffer, 0)
+    plan = single_plan(src, geo, bpc, buffer)
     host_bytes = plan.host.view(torch.uint8).numpy()
     device_bytes = [t.view(torch.uint8).numpy() for t in plan.device_kv]
     _copy_pairs_numpy(plan, CopyJob(0, "to_host", [1], blocks), host_bytes, device_bytes)
     torch_dst, numpy_dst = random_kv(geo, cross_layer, seed=8), random_kv(geo, cross_layer, seed=8)
     job = CopyJob(1, "to_device", [1], [0, 1, 2, 12], layers=(2, 4))
-    assert copy_pairs(single_plan(torch_dst, geo, bpc, buffer, 0), job, non_blocking=True) == geo.chunk_bytes(bpc) // 2
-    numpy_plan = single_plan(numpy_dst, geo, bpc, buffer, 0)
+    assert copy_pairs(single_plan(torch_dst, geo, bpc, buffer), job, non_blocking=True) == geo.chunk_bytes(bpc) // 2
+    numpy_plan = single_plan(numpy_dst, geo, bpc, buffer)
     _copy_pairs_numpy(numpy_plan, job, host_bytes, [t.view(torch.uint8).numpy() for t in numpy_plan.device_kv])
     for b in range(NUM_BLOCKS):
         assert torch.equal(block(torch_dst, b).view(torch.int16), block(numpy_dst, b).view(torch.int16))
@@ -398,13 +393,13 @@ async def test_cuda_store_then_load_round_trips_bytes(cross_layer: bool, dtype: 
 async def test_cuda_two_tp_ranks_match_the_cpu_engine(cross_layer: bool) -> None:
     geo = geometry(tp_size=2)
     bpc = 2
-    cpu_buffer = SlotBuffer(2, geo.slot_bytes(bpc), pin_memory=False)
-    cuda_buffer = SlotBuffer(2, geo.slot_bytes(bpc), pin_memory=True)
-    for rank in range(2):
-        kv = random_kv(geo, cross_layer, seed=rank)
-        await run_jobs(CpuCopyEngine(kv, geo, bpc, cpu_buffer, tp_rank=rank), [CopyJob(0, "to_host", [1], [3, 7])])
-        cuda_kv = kv.cuda() if isinstance(kv, torch.Tensor) else [t.cuda() for t in kv]
-        await run_jobs(make_copy_engine(cuda_kv, geo, bpc, cuda_buffer, rank), [CopyJob(0, "to_host", [1], [3, 7])])
+    rank_slot = KVModel.of(geo).rank_local().slot_bytes(bpc)
+    cpu_buffer = SlotBuffer(2, rank_slot, pin_memory=False)
+    cuda_buffer = SlotBuffer(2, rank_slot, pin_memory=True)
+    kv = random_kv(geo, cross_layer, seed=1)
+    await run_jobs(CpuCopyEngine(kv, geo, bpc, cpu_buffer), [CopyJob(0, "to_host", [1], [3, 7])])
+    cuda_kv = kv.cuda() if isinstance(kv, torch.Tensor) else [t.cuda() for t in kv]
+    await run_jobs(make_copy_engine(cuda_kv, geo, bpc, cuda_buffer), [CopyJob(0, "to_host", [1], [3, 7])])
     assert torch.equal(cpu_buffer.tensor[1], cuda_buffer.tensor[1])
     cpu_buffer.close()
     cuda_buffer.close()
@@ -426,10 +421,10 @@ def test_gathered_copies_move_the_same_bytes_as_page_copies(bpc: int, layers: tu
         buffer = SlotBuffer(4, geo.slot_bytes(bpc), pin_memory=False)
         target = [torch.zeros_like(t) for t in source]
         try:
-            plan = single_plan(source, geo, bpc, buffer, 0)
+            plan = single_plan(source, geo, bpc, buffer)
             assert plan.gathers(job)
             copy(plan, job)
-            back = single_plan(target, geo, bpc, buffer, 0)
+            back = single_plan(target, geo, bpc, buffer)
             load = CopyJob(2, "to_device", [3, 1], list(reversed(blocks)), layers=layers)
             copy(back, load)
             outcomes.append((buffer.array.copy(), [t.clone() for t in target]))
@@ -452,18 +447,18 @@ def test_each_job_takes_the_copy_path_that_fits_its_layout() -> None:
             else [torch.zeros((8, 2, 4, heads, 8), dtype=torch.float16) for _ in range(4)])
         buffer = SlotBuffer(2, geo.slot_bytes(bpc), pin_memory=False)
         buffers.append(buffer)
-        return single_plan(kv, geo, bpc, buffer, 0)
+        return single_plan(kv, geo, bpc, buffer)
 
     buffers: list[SlotBuffer] = []
     whole, group = CopyJob(1, "to_host", [0], [0, 1]), CopyJob(1, "to_host", [0], [0, 1], layers=(1, 2))
     try:
         assert plan(1, 2).gathers(whole)
         assert not plan(1, 2).gathers(group)  # strided in a two-block slot: page copies
-        assert not plan(2, 2).gathers(whole)  # TP 2: a rank's heads are strided in the host page
+        assert plan(2, 2).gathers(whole)  # TP 2: a rank's slot is as dense as at TP 1
         assert not plan(1, 2, cross_layer=True).gathers(whole)  # already one copy per run of blocks
         assert plan(1, 2, cross_layer=True).runs_contiguous(whole)
         assert not plan(1, 2, cross_layer=True).runs_contiguous(group)  # a layer group: staged
-        assert not plan(2, 2, cross_layer=True).runs_contiguous(whole)  # TP 2: staged
+        assert plan(2, 2, cross_layer=True).runs_contiguous(whole)  # TP 2 too
         assert not plan(1, 2).runs_contiguous(whole)  # per-layer: gathered
     finally:
         for buffer in buffers:
@@ -472,19 +467,20 @@ def test_each_job_takes_the_copy_path_that_fits_its_layout() -> None:
 
 @pytest.mark.parametrize("cross_layer", [False, True])
 @pytest.mark.parametrize("layers", [None, (1, 3)])
-@pytest.mark.parametrize(("tp", "tp_rank"), [(4, 0), (4, 1), (4, 3), (1, 0)])
-def test_staged_copies_of_a_tp_rank_move_the_same_bytes_as_page_copies(
-        cross_layer: bool, layers: tuple[int, int] | None, tp: int, tp_rank: int) -> None:
-    """At TP > 1 the CUDA engine gathers a rank's heads on the device and moves them through a
-    contiguous staging buffer (kvtier.host.cuda_copy.copy_staged); on CPU tensors it must
-    write exactly the bytes of the page copies it replaces, into this rank's heads only, and
-    load them back, both layouts, with and without a layer range, blocks in any order."""
+@pytest.mark.parametrize("tp", [4, 1])
+def test_staged_copies_move_the_same_bytes_as_page_copies(
+        cross_layer: bool, layers: tuple[int, int] | None, tp: int) -> None:
+    """A layer group of a multi-block chunk is strided in its slot: the CUDA engine gathers it on
+    the device and moves it through a contiguous staging buffer (kvtier.host.cuda_copy.copy_staged);
+    on CPU tensors it must write exactly the bytes of the page copies it replaces, into those
+    layers only, and load them back, both layouts, blocks in any order, for a TP 4 rank (its
+    own heads) as for TP 1; without a layer range it moves every byte of the rank's chunk."""
 
     bpc = 2
     geo = KVGeometry("test/staged", num_layers=4, num_kv_heads=8, head_dim=8, dtype="float16", block_size=4,
                      tp_size=tp)
     heads = 8 // tp
-    gen = torch.Generator().manual_seed(tp_rank)
+    gen = torch.Generator().manual_seed(tp)
 
     def kv(fill: bool) -> torch.Tensor | list[torch.Tensor]:
         make = (lambda shape: torch.randn(shape, generator=gen).half()) if fill else (
@@ -498,16 +494,16 @@ def test_staged_copies_of_a_tp_rank_move_the_same_bytes_as_page_copies(
     blocks = [9, 2, 14, 5]
     outcomes = []
     for staged in (False, True):
-        buffer = SlotBuffer(3, geo.slot_bytes(bpc), pin_memory=False)
-        buffer.array[:] = 0xAB  # other ranks' heads (and other layers): must stay untouched
+        buffer = SlotBuffer(3, KVModel.of(geo).rank_local().slot_bytes(bpc), pin_memory=False)
+        buffer.array[:] = 0xAB  # other layers (and slots): must stay untouched
         target = kv(False)
         try:
-            plan = single_plan(source, geo, bpc, buffer, tp_rank)
-            back = single_plan(target, geo, bpc, buffer, tp_rank)
+            plan = single_plan(source, geo, bpc, buffer)
+            back = single_plan(target, geo, bpc, buffer)
             store = CopyJob(1, "to_host", [2, 0], blocks, layers=layers)
             load = CopyJob(2, "to_device", [2, 0], list(reversed(blocks)), layers=layers)
             if staged:
-                assert not plan.gathers(store) and not plan.runs_contiguous(store) or (tp, layers) == (1, None)
+                assert not plan.gathers(store) and not plan.runs_contiguous(store) or layers is None
                 nbytes, finish = copy_staged(plan, store)
                 assert finish is not None
                 finish()
@@ -521,6 +517,11 @@ def test_staged_copies_of_a_tp_rank_move_the_same_bytes_as_page_copies(
     (host_pages, loaded_pages), (host_staged, loaded_staged) = outcomes
     assert np.array_equal(host_pages, host_staged)
     assert (host_staged != 0xAB).any()
-    if tp > 1 or layers is not None:
-        assert (host_staged == 0xAB).any()  # its heads (its layers) written, the rest not
+    chunk = host_staged.reshape(3, -1)[2][: geo.chunk_bytes(bpc) // tp]
+    if layers is not None:
+        assert (chunk == 0xAB).any()  # its layers written, the rest not
+    else:  # the rank's chunk is its blocks' bytes back to back: no other ranks' heads in between
+        dense = torch.stack([torch.stack([t[b] for t in source]) if isinstance(source, list) else source[b]
+                             for b in blocks[:bpc]])
+        assert np.array_equal(chunk, dense.contiguous().view(torch.uint8).numpy().ravel())
     assert all(torch.equal(a, b) for a, b in zip(loaded_pages, loaded_staged))

@@ -195,41 +195,60 @@ async def test_a_layer_range_is_a_range_of_the_groups_own_layers(g: int) -> None
 
 
 @pytest.mark.anyio
-async def test_tp_ranks_fill_their_heads_and_every_rank_writes_the_whole_mla_latents() -> None:
-    model, whole = hybrid(tp_size=2, mamba=False), hybrid(tp_size=1, mamba=False)
+async def test_a_tp_rank_holds_its_own_heads_densely_and_the_whole_mla_latents() -> None:
+    """At TP 2 a rank's slots are those of a TP 1 model with the rank's heads: its attention heads
+    contiguous (no room for the other rank's), the replicated MLA latents whole."""
+    model = hybrid(tp_size=2, mamba=False)
+    local = model.rank_local()
+    assert local.tp_size == 1 and [g.num_kv_heads for g in local.groups] == [2, 1, None]  # of 4 and 2
+    assert local.chunk_bytes(0, BPC) == model.chunk_bytes(0, BPC) // 2
+    assert local.chunk_bytes(2, BPC) == model.chunk_bytes(2, BPC)  # latents are whole on every rank
     blocks = (12, 10, 9)
-    mla = make_kv(model, seed=20, blocks=blocks)  # replicated: the same latents on both ranks
-    ranks = []
-    for rank in range(2):
-        kv = make_kv(model, seed=10 + rank, blocks=blocks)
-        kv.update({name: mla[name] for name in model.groups[2].layer_names})
-        ranks.append(kv)
-    buffer = SlotBuffer(3, model.slot_bytes(BPC), pin_memory=False)
-    for rank, kv in enumerate(ranks):
-        jobs = [CopyJob(g, "to_host", [g], [4, 8], group=g) for g in range(3)]
-        results = await run_jobs(CpuCopyEngine(kv, model, BPC, buffer, tp_rank=rank), jobs)
-        assert [r.nbytes for r in results] == [model.chunk_bytes(0, BPC) // 2, model.chunk_bytes(1, BPC) // 2,
-                                               model.chunk_bytes(2, BPC)]
-    # The slots equal what one TP 1 rank holding all heads writes.
-    joined = {name: torch.cat([ranks[0][name], ranks[1][name]], dim=-2)
-              for g in range(2) for name in model.groups[g].layer_names}
-    joined.update({name: mla[name] for name in model.groups[2].layer_names})
-    reference = SlotBuffer(3, whole.slot_bytes(BPC), pin_memory=False)
-    await run_jobs(CpuCopyEngine(joined, whole, BPC, reference),
-                   [CopyJob(g, "to_host", [g], [4, 8], group=g) for g in range(3)])
+    kv = make_kv(model, seed=10, blocks=blocks)
+    buffer = SlotBuffer(3, local.slot_bytes(BPC), pin_memory=False)
+    reference = SlotBuffer(3, local.slot_bytes(BPC), pin_memory=False)
+    jobs = [CopyJob(g, "to_host", [g], [4, 8], group=g) for g in range(3)]
+    results = await run_jobs(CpuCopyEngine(kv, model, BPC, buffer), jobs)
+    assert [r.nbytes for r in results] == [local.chunk_bytes(g, BPC) for g in range(3)]
+    await run_jobs(CpuCopyEngine(kv, local, BPC, reference), [CopyJob(g, "to_host", [g], [4, 8], group=g)
+                                                              for g in range(3)])
     for g in range(3):
         assert np.array_equal(buffer.array[g], reference.array[g]), g
-    # Each rank loads back its own heads and the whole latents.
-    for rank in range(2):
-        dst = make_kv(model, zeros=True, blocks=blocks)
-        await run_jobs(CpuCopyEngine(dst, model, BPC, buffer, tp_rank=rank),
-                       [CopyJob(g, "to_device", [g], [0, 1], group=g) for g in range(3)])
-        for g in range(3):
-            for name in model.groups[g].layer_names:
-                assert block_bytes(dst, name, 0) == block_bytes(ranks[rank], name, 4)
-                assert block_bytes(dst, name, 1) == block_bytes(ranks[rank], name, 8)
+        assert not buffer.array[g][local.chunk_bytes(g, BPC):].any()  # nothing past the rank's chunk
+    dst = make_kv(model, zeros=True, blocks=blocks)
+    await run_jobs(CpuCopyEngine(dst, model, BPC, buffer),
+                   [CopyJob(g, "to_device", [g], [0, 1], group=g) for g in range(3)])
+    for g in range(3):
+        for name in model.groups[g].layer_names:
+            assert block_bytes(dst, name, 0) == block_bytes(kv, name, 4)
+            assert block_bytes(dst, name, 1) == block_bytes(kv, name, 8)
     buffer.close()
     reference.close()
+
+
+@pytest.mark.anyio
+async def test_a_store_into_a_used_slot_leaves_nothing_of_the_chunk_before() -> None:
+    """A slot that held a larger chunk (another group's) is stored into: what this chunk's copies
+    do not write — the slot's tail, the gaps between the parts of a state page — is zeroed, so the
+    slot (which goes to storage whole) is byte for byte what a store into a fresh slot gives."""
+    model = hybrid()
+    kv = make_kv(model, seed=3)
+    used = SlotBuffer(1, model.slot_bytes(BPC), pin_memory=False)
+    fresh = SlotBuffer(1, model.slot_bytes(BPC), pin_memory=False)
+    try:
+        sizes = [model.chunk_bytes(g, BPC) for g in range(4)]
+        assert min(sizes) < model.slot_bytes(BPC) and model.groups[3].kind == "mamba"  # a tail, and gaps
+        for g in (3, 1, 0, 2, 3):
+            used.array[:] = 0xAB  # whatever the slot held before
+            fresh.array[:] = 0
+            job = CopyJob(g, "to_host", [0], chunk_blocks(model, g, 1, first=BLOCKS[g] - 1), group=g)
+            for buffer in (used, fresh):
+                [result] = await run_jobs(CpuCopyEngine(kv, model, BPC, buffer), [job])
+                assert result.success
+            assert np.array_equal(used.array, fresh.array), g
+    finally:
+        used.close()
+        fresh.close()
 
 
 # --- one group: the list and cross-layer forms are unchanged --------------------------------------
@@ -260,11 +279,11 @@ async def test_one_group_forms_write_the_bytes_of_the_geometry_engine(form: str)
 # --- validation -------------------------------------------------------------------------------
 
 
-def open_plans(device_kv: Any, model: KVModel | KVGeometry, slot_bytes: int | None = None, tp_rank: int = 0) -> CopyPlans:
+def open_plans(device_kv: Any, model: KVModel | KVGeometry, slot_bytes: int | None = None) -> CopyPlans:
     model_ = KVModel.of(model)
     buffer = SlotBuffer(2, slot_bytes or model_.slot_bytes(BPC), pin_memory=False)
     try:
-        return plan_copies(device_kv, model, BPC, buffer, tp_rank)
+        return plan_copies(device_kv, model, BPC, buffer)
     finally:
         buffer.close()
 
@@ -391,21 +410,25 @@ async def test_a_job_of_an_unknown_group_or_out_of_its_groups_range_is_invalid()
 
 
 @pytest.mark.parametrize("layers", [None, (1, 2)])
-def test_the_cuda_engines_routines_move_the_bytes_of_the_cpu_engine(layers: tuple[int, int] | None) -> None:
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_the_cuda_engines_routines_move_the_bytes_of_the_cpu_engine(layers: tuple[int, int] | None,
+                                                                    tp_size: int) -> None:
     """``copy_parts`` (each part with the routine the CUDA engine picks) writes the slots exactly as
-    the CPU engine's numpy copies do, and loads them back, for every group."""
-    model = hybrid()
+    the CPU engine's numpy copies do, and loads them back, for every group, at TP 1 (with a Mamba
+    group) and for a TP 2 rank."""
+    model = hybrid() if tp_size == 1 else hybrid(tp_size=2, mamba=False)
+    n = len(model.groups)
     src = make_kv(model, seed=7)
-    buffers = [SlotBuffer(4, model.slot_bytes(BPC), pin_memory=False) for _ in range(2)]
+    buffers = [SlotBuffer(4, model.rank_local().slot_bytes(BPC), pin_memory=False) for _ in range(2)]
     targets = [make_kv(model, zeros=True) for _ in range(2)]
     try:
-        for g in range(4):
-            store = CopyJob(g, "to_host", [g, (g + 1) % 4], chunk_blocks(model, g, 2, first=BLOCKS[g] - 2),
+        for g in range(n):
+            store = CopyJob(g, "to_host", [g, (g + 1) % n], chunk_blocks(model, g, 2, first=BLOCKS[g] - 2),
                             layers=layers, group=g)
             load = CopyJob(g, "to_device", store.slot_ids, chunk_blocks(model, g, 2, first=3), layers=layers, group=g)
             for which, (buffer, target) in enumerate(zip(buffers, targets)):
                 for direction, job, kv in (("store", store, src), ("load", load, target)):
-                    plans = plan_copies(kv, model, BPC, buffer, 0)
+                    plans = plan_copies(kv, model, BPC, buffer)
                     if which == 0:
                         for plan in plans.groups[g]:
                             _copy_pairs_numpy(plan, job, plan.host.view(torch.uint8).numpy(),

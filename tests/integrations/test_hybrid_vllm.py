@@ -322,18 +322,27 @@ def test_config_json_is_what_vllms_fs_tier_writes(layout: str, tmp_path: Path) -
 
 def test_a_lone_full_attention_group_is_agnostic_as_in_vllms_v1_model_runner(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM names a lone full-attention group's run without its topology only under the V1 model
-    runner (``VLLM_USE_V2_MODEL_RUNNER=0``); kvtier's one-group model is that run at every TP size."""
+    runner (``VLLM_USE_V2_MODEL_RUNNER=0``); kvtier's one-group model is that run at TP 1. At
+    TP > 1 vLLM's ranks share one host region and write whole pages, so vLLM keeps the run
+    agnostic; each kvtier engine rank persists its own heads only, so kvtier names the sizes and
+    gives each rank its own tree (never vLLM's, whose files hold every head)."""
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     for tp_size, rank in [(1, 0), (2, 1), (4, 3)]:
         model = KVModel(MODEL, "float16", (KVCacheGroup.full_attention(
             block_size=16, layer_names=_layers(0, 1, 2), num_kv_heads=8, head_dim=128),), tp_size=tp_size)
         side = vllm_side(model, 4, rank=rank)
-        assert side.offloading_config.parallel.is_parallelism_agnostic is model.parallel_agnostic is True
+        assert side.offloading_config.parallel.is_parallelism_agnostic is True
         mapper = FileMapper.from_offloading_spec(ROOT, side.spec, blocks_per_file=4, parallel_agnostic=True)
         fields = model.run_fields(4, inference_engine="vllm")
-        assert fields == mapper.get_run_config()
         ns = namespace(ROOT, fields, rank)
-        assert (ns.base_dir, ns.rank) == (mapper.base_path, mapper.rank)
+        if tp_size == 1:
+            assert model.parallel_agnostic is True
+            assert fields == mapper.get_run_config()
+            assert (ns.base_dir, ns.rank) == (mapper.base_path, mapper.rank)
+        else:
+            assert model.parallel_agnostic is False
+            assert (fields["tp_size"], fields["parallel_agnostic"]) == (tp_size, False)
+            assert ns.base_dir != mapper.base_path and ns.blocks_dir.endswith(f"_r{rank}")
 
 
 def test_a_lone_replicated_mla_group_shares_one_tree_as_in_vllm() -> None:

@@ -107,9 +107,13 @@ def fingerprint(context: TierContext) -> str:
     """16 hex of SHA-256 over the run fields (as the fs namespace) plus the page geometry.
 
     The run fields do not name the head count or size, and two geometries can round up to the
-    same slot size: a peer whose pages hold other shapes must not pass.
+    same slot size: a peer whose pages hold other shapes must not pass. Nor does a peer of
+    another TP rank where each rank holds its own share of the KV (run fields naming their
+    parallel sizes): the rank is added then.
     """
     fields: dict[str, Any] = dict(context.run_fields)
+    if "parallel_agnostic" in fields:  # each rank holds its own share (kvtier.model.KVModel.rank_local)
+        fields["kvtier_rank"] = context.rank
     if context.geometry is not None:
         model = KVModel.of(context.geometry)
         bpc = context.blocks_per_chunk
