@@ -1,12 +1,12 @@
 """KV byte geometry, the run digest and the chunk namespace.
 
-**Canonical host layout.** A *page* is one block of one layer: ``page_shape = (2, block_size,
+**Host layout.** A *page* is one block of one layer: ``page_shape = (2, block_size,
 num_kv_heads, head_dim)`` (K/V, token, head, dim), exactly a per-layer device block at TP 1, so a
 TP-1 copy is a plain memcpy. A chunk (one host slot) is block-major, then layer: page ``(b, l)``
 sits at ``(b * num_layers + l) * page_bytes``; the slot is padded with zeros up to
-``slot_bytes`` (a multiple of 4096). All KV heads of all TP ranks are contiguous inside a page,
-so the host layout does not depend on the parallel configuration; :meth:`KVGeometry.shard` says
-where one rank's heads sit.
+``slot_bytes`` (a multiple of 4096). These sizes are of every head; at ``tp_size > 1`` a rank of
+kvtier's engine holds its own heads only, in pages of ``num_kv_heads // tp_size`` heads laid out
+the same way (:meth:`kvtier.model.KVModel.rank_local`, ``Engine.slot_bytes``).
 
 **Namespace** (the names vLLM's file mapper gives, so that both read each other's trees).
 ``run_fields`` lists what makes persisted bytes compatible (model, hash granularity, chunk size,
@@ -236,7 +236,8 @@ class KVGeometry:
         return blocks_per_chunk * self.num_layers * self.page_bytes
 
     def slot_bytes(self, blocks_per_chunk: int) -> int:
-        """Bytes of one host slot: :meth:`chunk_bytes` rounded up to a multiple of 4096."""
+        """Bytes of a host slot of every head: :meth:`chunk_bytes` rounded up to a multiple of
+        4096 (at ``tp_size > 1`` a rank's slot holds its own heads: ``Engine.slot_bytes``)."""
         size = self.chunk_bytes(blocks_per_chunk)
         return -(-size // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
 
@@ -252,18 +253,22 @@ class KVGeometry:
         self,
         blocks_per_chunk: int,
         inference_engine: str = "kvtier",
-        parallel_agnostic: bool = True,
+        parallel_agnostic: bool | None = None,
         *,
         namespace_tag: str | None = None,
     ) -> dict[str, Any]:
         """The run-configuration fields, input of :func:`run_digest` (vLLM's ``config.json`` fields).
 
-        In parallelism-agnostic mode (the canonical host layout makes bytes topology-independent)
-        the parallel sizes are 1 and ``parallel_agnostic`` is absent; otherwise they are the real
-        sizes and ``parallel_agnostic`` is ``False``. ``model_revision`` and ``namespace_tag``
-        are added when set (:func:`with_manifest`).
+        In parallelism-agnostic mode (every rank's bytes are the same: one tree for all) the
+        parallel sizes are 1 and ``parallel_agnostic`` is absent; otherwise they are the real
+        sizes and ``parallel_agnostic`` is ``False``. The default is what kvtier's engine uses
+        (:attr:`kvtier.model.KVModel.parallel_agnostic`): agnostic at ``tp_size`` 1 only, since
+        at ``tp_size > 1`` each rank persists its own heads. ``model_revision`` and
+        ``namespace_tag`` are added when set (:func:`with_manifest`).
         """
         _check_positive("blocks_per_chunk", blocks_per_chunk)
+        if parallel_agnostic is None:
+            parallel_agnostic = self.tp_size == 1
         groups = [{"tokens_per_block": self.block_size, "layer_names": list(self.names_of_layers)}]
         return make_run_fields(self.model_name, self.block_size, blocks_per_chunk,
                                (self.tp_size, self.pp_size, self.pcp_size, self.dcp_size), self.dtype, groups,

@@ -368,7 +368,8 @@ class KVModel:
         return g.blocks_per_slot(blocks_per_chunk) * g.num_layers * g.page_bytes(self.dtype)
 
     def slot_bytes(self, blocks_per_chunk: int) -> int:
-        """Bytes of one host slot: the largest group chunk, rounded up to a multiple of 4096."""
+        """Bytes of a host slot of every head: the largest group chunk, rounded up to a multiple
+        of 4096 (a rank's slot at ``tp_size > 1``: :meth:`rank_local`'s)."""
         size = max(self.chunk_bytes(g, blocks_per_chunk) for g in range(len(self.groups)))
         return -(-size // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
 

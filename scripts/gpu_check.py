@@ -390,13 +390,14 @@ def _status_kib() -> dict[str, int]:
 
 def _host_allocator_bytes() -> int | None:
     """Bytes torch's caching host allocator holds (None where torch does not report it)."""
-    stats = getattr(torch.cuda, "host_memory_stats", None)
-    if stats is None:
+    host_memory_stats = getattr(torch.cuda, "host_memory_stats", None)
+    if host_memory_stats is None:
         return None
     try:
-        return int(stats().get("reserved_bytes.current", stats().get("segment.current", 0)))
+        value = host_memory_stats().get("allocated_bytes.current")
     except (RuntimeError, AttributeError):
         return None
+    return None if value is None else int(value)
 
 
 def pinned_growth() -> Record:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from kvtier.errors import ConfigError
 from kvtier.keys import make_offload_key
 from kvtier.layout import KVGeometry, Namespace, namespace, run_digest
+from kvtier.model import KVModel
 from kvtier.tiers.fs.tree import config_path, config_text, key_from_relpath
 
 MODEL = "meta-llama/Llama-3-8B"
@@ -108,7 +109,7 @@ def test_invalid_geometry_is_a_config_error(overrides: dict) -> None:
 
 def test_run_fields_of_a_parallel_agnostic_run() -> None:
     g = geometry(tp_size=2, pp_size=2)
-    fields = g.run_fields(4)
+    fields = g.run_fields(4, parallel_agnostic=True)  # as vLLM names it (its ranks share one region)
     assert fields == {
         "model_name": MODEL,
         "tokens_per_hash": 16,
@@ -177,11 +178,21 @@ def test_namespace_of_tp2_topology_bound_run_is_per_rank() -> None:
 
 def test_parallel_agnostic_namespace_is_shared_by_all_ranks() -> None:
     g = geometry(tp_size=2)
-    agnostic = [namespace("/r", g.run_fields(4), rank=r) for r in range(2)]
+    agnostic = [namespace("/r", g.run_fields(4, parallel_agnostic=True), rank=r) for r in range(2)]
     assert agnostic[0].blocks_dir == agnostic[1].blocks_dir
     assert agnostic[1].blocks_dir.endswith("_r0")
     assert agnostic[0].digest == expected_digest(geometry().run_fields(4))  # TP does not matter
     assert agnostic[0].digest != namespace("/r", g.run_fields(4, parallel_agnostic=False), 0).digest
+
+
+def test_by_default_a_tp_rank_names_the_sizes_and_gets_a_tree_of_its_own() -> None:
+    """kvtier's engine ranks each persist their own heads: at TP > 1 the default fields are not
+    agnostic (those the engine uses, KVModel.run_fields), at TP 1 they are."""
+    g = geometry(tp_size=2)
+    assert g.run_fields(4) == g.run_fields(4, parallel_agnostic=False) == KVModel.of(g).run_fields(4)
+    trees = {namespace("/r", g.run_fields(4), rank=r).blocks_dir for r in range(2)}
+    assert len(trees) == 2
+    assert geometry().run_fields(4) == geometry().run_fields(4, parallel_agnostic=True)
 
 
 def test_empty_root_gives_relative_paths() -> None:

@@ -57,7 +57,7 @@ PINNED_FINGERPRINT = "5191753b4879f32395ddf174edfb81a3a58458d4e773c19edccb5ddc61
 
 
 def test_without_a_manifest_the_fields_and_digests_are_unchanged() -> None:
-    fields = geometry().run_fields(4)
+    fields = geometry(1).run_fields(4)
     assert sorted(fields) == ["blocks_per_file", "dcp_size", "dtype", "inference_engine", "kv_cache_groups",
                               "model_name", "pcp_size", "pp_size", "tokens_per_hash", "tp_size"]
     assert run_fingerprint(fields).hex() == PINNED_FINGERPRINT
@@ -89,10 +89,10 @@ def test_engine_parts_without_a_manifest_use_the_plain_run_fields() -> None:
 
 
 def test_a_revision_or_a_tag_is_another_digest() -> None:
-    plain = geometry().run_fields(4)
-    rev_a = geometry(model_revision="rev-a").run_fields(4)
-    rev_b = geometry(model_revision="rev-b").run_fields(4)
-    tagged = geometry().run_fields(4, namespace_tag="team-1")
+    plain = geometry(1).run_fields(4)
+    rev_a = geometry(1, model_revision="rev-a").run_fields(4)
+    rev_b = geometry(1, model_revision="rev-b").run_fields(4)
+    tagged = geometry(1).run_fields(4, namespace_tag="team-1")
     assert rev_a == {**plain, "model_revision": "rev-a"}
     assert tagged == {**plain, "namespace_tag": "team-1"}
     digests = {run_digest(f) for f in (plain, rev_a, rev_b, tagged)}

@@ -153,3 +153,14 @@ def test_a_job_failing_part_way_is_failed_only_after_a_fence_behind_its_issued_c
     assert steps == ["wait", "record", "copy issued", "record", "synchronize"]
     fence = fake_cuda.log[3][1]
     assert fake_cuda.log[3][2] is copy_stream and fake_cuda.log[4] == ("synchronize", fence)
+
+
+def test_a_store_zeroes_what_its_copies_do_not_write_before_issuing_them(
+        fake_cuda: FakeCuda, engine: CudaCopyEngine) -> None:
+    buffer = engine._plans.groups[0][0].buffer
+    chunk_bytes = engine._plans.model.chunk_bytes(0, 1)
+    assert chunk_bytes < buffer.slot_bytes  # a tail no copy writes
+    buffer.array[:] = 0xAB  # whatever the slots held before
+    engine._issue(CopyJob(3, "to_host", [0], [2]), engine.capture_order().ready)
+    assert not buffer.array[0, chunk_bytes:].any()
+    assert (buffer.array[1] == 0xAB).all()  # another slot is not touched

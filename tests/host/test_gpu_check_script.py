@@ -33,5 +33,5 @@ def test_the_script_imports_without_cuda_and_its_kv_writes_land_in_place() -> No
     script.write_blocks(kv, [1, 4], 7.0)
     for layer in kv:
         assert layer[[1, 4]].eq(7.0).all() and not layer[[0, 2, 3, 5]].any()
-    # A TP 8 rank's slots, as the script's harness sizes them: one eighth of every head's.
+    # A TP 8 rank's slots (what the harness allocates): one eighth of a slot of every head.
     assert KVModel.of(geo).rank_local().slot_bytes(1) * 8 == geo.slot_bytes(1)

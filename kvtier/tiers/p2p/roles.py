@@ -112,8 +112,8 @@ def fingerprint(context: TierContext) -> str:
     parallel sizes): the rank is added then.
     """
     fields: dict[str, Any] = dict(context.run_fields)
-    if "parallel_agnostic" in fields:  # each rank holds its own share (kvtier.model.KVModel.rank_local)
-        fields["kvtier_rank"] = context.rank
+    if "parallel_agnostic" in fields and fields.get("tp_size", 1) > 1:  # each rank holds its own share
+        fields["kvtier_rank"] = context.rank  # (kvtier.model.KVModel.rank_local)
     if context.geometry is not None:
         model = KVModel.of(context.geometry)
         bpc = context.blocks_per_chunk
