@@ -83,13 +83,17 @@ class CopyCounters:
 
 @dataclass(slots=True, eq=False)
 class PendingCopy:
-    """One submitted copy job; ``result`` is set, and ``done``, once the copy engine reported it."""
+    """One submitted copy job; ``result`` is set, and ``done``, once the copy engine reported it.
+    ``issued`` is set once its copies are on a device stream (``done_event``: the event device work
+    can be ordered after, see :meth:`DeviceCopies.wait_issued`) or once it was reported."""
 
     job_id: int
     direction: Direction
     done: anyio.Event = field(default_factory=anyio.Event)
     result: CopyResult | None = None
     counted: bool = False
+    issued: anyio.Event = field(default_factory=anyio.Event)
+    done_event: Any = None
 
 
 class DeviceCopies:
@@ -142,11 +146,17 @@ class DeviceCopies:
         """Hand every result the copy engine reported to its :class:`PendingCopy`."""
         if self.copy_engine is None:
             return
+        for job_id, done_event in self.copy_engine.get_issued():
+            copy = self._pending.get(job_id)
+            if copy is not None:
+                copy.done_event = done_event
+                copy.issued.set()
         for result in self.copy_engine.get_finished():
             copy = self._pending.pop(result.job_id, None)
             if copy is not None:
                 copy.result = result
                 copy.done.set()
+                copy.issued.set()
 
     async def wait(self, copy: PendingCopy) -> CopyResult:
         """``copy``'s result, once reported (not shielded: the caller decides)."""
@@ -156,6 +166,17 @@ class DeviceCopies:
             self.dispatch()
         assert copy.result is not None
         return copy.result
+
+    async def wait_issued(self, copy: PendingCopy) -> Any:
+        """Once ``copy`` is on a device stream: its completion event, which the caller's device
+        work can be ordered after (:meth:`hand_over`) while the copy still runs; ``None`` once it
+        was reported instead (its ``result`` says how it went). Only the CUDA engine reports
+        copies issued; with the CPU engine this waits for the result."""
+        while not copy.issued.is_set():
+            with anyio.move_on_after(_PROGRESS_S):
+                await copy.issued.wait()
+            self.dispatch()
+        return None if copy.done.is_set() else copy.done_event
 
     def discard(self, copy: PendingCopy) -> None:
         """Stop awaiting ``copy`` (its result, if one still comes, is dropped)."""
@@ -174,10 +195,11 @@ class DeviceCopies:
         if copy.result.error != "cancelled":
             self._counters.record(copy.direction, copy.result)
 
-    def hand_over(self, order: CopyOrder | None, result: CopyResult) -> None:
-        """After a successful copy to the device: the caller's later device work waits for its bytes."""
+    def hand_over(self, order: CopyOrder | None, done: Any) -> None:
+        """After a copy to the device was issued (``done``: its completion event, or a successful
+        result's ``done``): the caller's later device work waits for its bytes."""
         if self.copy_engine is not None:
-            self.copy_engine.hand_over(order, result)
+            self.copy_engine.hand_over(order, done)
 
     async def copy(self, direction: Direction, slot_ids: Sequence[int], block_ids: Sequence[int],
                    order: CopyOrder | None) -> CopyResult:
@@ -201,7 +223,7 @@ class DeviceCopies:
         for copy, result in zip(pending, results):
             self.count(copy)
             if direction == "to_device" and result.success:
-                self.hand_over(order, result)
+                self.hand_over(order, result.done)
         return results
 
     def statistics(self) -> CopyStatistics:

@@ -20,9 +20,11 @@ Semantics callers rely on:
   ``num_computed_tokens`` that the prefix adds once every group has arrived
   (:attr:`LayerwiseLoad.tokens_by_tier` per tier label), i.e. what ``load`` would return.
 * **Iterating** yields every group exactly once, in layer order, as ``LayerGroup(start, stop)``
-  (layers ``start <= l < stop``), once that group's bytes of the whole prefix are on the device.
-  Later groups may still be copying. With ``tokens == 0`` nothing is copied and every group is
-  yielded at once, so a caller's per-layer loop is the same for a hit and a miss.
+  (layers ``start <= l < stop``), once that group's bytes of the whole prefix are on the device
+  for the caller's next work: copied (CPU), or on the copy stream with the caller's stream made
+  to wait for them (CUDA, see "Devices"). Later groups may still be copying. With
+  ``tokens == 0`` nothing is copied and every group is yielded at once, so a caller's per-layer
+  loop is the same for a hit and a miss.
 * **Hybrid models** (a :class:`kvtier.KVModel`): layers are numbered in model order
   (:meth:`kvtier.KVModel.layer_order`, the index in each layer name), across all KV-cache groups;
   a layer group is on the device once every KV-cache group's copy of its layers is.
@@ -32,14 +34,18 @@ Semantics callers rely on:
   ``num_computed_tokens`` it passed): the prefix's KV of the missing layers can only be computed
   by running the prefix through every layer. It is an exception, not a flag, so code that
   ignores it cannot go on computing on bytes that never arrived. Every later step raises again.
+  With CUDA a group's copy can fail after the group was yielded (a device error): that raises
+  at the next step, or when the block is left normally.
 * **Leaving the block** — after the last group, on ``break``, on an exception or on cancellation
   — withdraws the group copies that have not started (:meth:`CopyEngine.cancel`), waits,
   shielded from cancellation, for the ones in flight, and only then unpins the host slots: no
   slot is reused while a copy reads it, and no copy writes the device blocks after the block is
   left. The chunks count as used (recency) only when every group arrived.
 * **Devices.** With CUDA tensors each group is one job on the copy engine's stream, with its own
-  event, polled with ``event.query()`` (nothing calls ``synchronize()``); with CPU tensors each
-  group is one job of the CPU copy engine, reported as soon as it is copied.
+  event; a group is yielded as soon as its copies are issued, the caller's stream made to wait
+  for that event (:meth:`CopyEngine.get_issued`), so the caller's host code — launching the
+  group's kernels — runs ahead of the copies and the device keeps the order. With CPU tensors
+  each group is one job of the CPU copy engine, yielded once it is copied.
 * **Ordering (CUDA).** The copies wait for the caller's stream as it was at
   ``load_layerwise(...)`` (or for its ``after`` event), and as each group is yielded the caller's
   stream is made to wait for that group's copy: kernels enqueued on it after the ``async for``
@@ -100,7 +106,9 @@ class LayerwiseLoadError(KvtierError, RuntimeError):
     """A layer group's host→device copy failed: the caller must recompute the whole prefix.
 
     ``group`` is the first group that did not arrive (groups before it were yielded, with correct
-    bytes); ``reason`` is the copy engine's error (``"copy_error: ..."``, ``"closed"``, ...).
+    bytes) — with CUDA, possibly one already yielded while its copies ran, whose copy failed
+    after (a device error): then raised at the next step, or on leaving the block normally;
+    ``reason`` is the copy engine's error (``"copy_error: ..."``, ``"closed"``, ...).
     """
 
     def __init__(self, group: LayerGroup, reason: str | None) -> None:
@@ -209,6 +217,10 @@ class LayerwiseLoad:
                         tb: TracebackType | None) -> None:
         if self._state is _State.OPEN:
             await self._leave()
+            # A group yielded while its copies ran (CUDA) whose copy failed after the last step:
+            # the caller computed on it, so leaving normally must not pass for success.
+            if exc_type is None and self._failure is None and (failure := self._late_failure()) is not None:
+                raise failure
 
     # --- iteration --------------------------------------------------------------------------------
     def __aiter__(self) -> LayerwiseLoad:
@@ -226,13 +238,18 @@ class LayerwiseLoad:
         return group
 
     async def next_group(self) -> LayerGroup | None:
-        """The next group once it is on the device; ``None`` after the last one.
+        """The next group once its bytes are on the device for the caller's next work: copied
+        (CPU), or on kvtier's copy stream with the caller's stream made to wait for them (CUDA:
+        the host runs ahead of the copies); ``None`` after the last one.
 
-        Raises :class:`LayerwiseLoadError` if its copy failed (and at every later call).
+        Raises :class:`LayerwiseLoadError` if its copy failed, or if the copy of a group yielded
+        while it ran failed since (and at every later call).
         """
         if self._state is not _State.OPEN:
             raise RuntimeError("iterate a LayerwiseLoad inside its `async with` block")
         self._gate.check_open("load_layerwise")
+        if self._failure is None:
+            self._failure = self._late_failure()
         if self._failure is not None:
             raise self._failure
         if self._next >= len(self.groups):
@@ -241,16 +258,31 @@ class LayerwiseLoad:
         if self._group_copies:
             copies = self._device_copies
             for copy in self._group_copies[self._next]:
-                result = await copies.wait(copy)
-                copies.count(copy)
-                if not result.success:
-                    logger.error("layer-wise host→device copy of layers %d..%d failed: %s",
-                                 group.start, group.stop - 1, result.error)
-                    self._failure = LayerwiseLoadError(group, result.error)
-                    raise self._failure
-                copies.hand_over(self._order, result)  # the caller's stream waits for the group
+                done = await copies.wait_issued(copy)
+                if done is None:  # reported (the CPU engine reports nothing before): how did it go?
+                    result = copy.result
+                    assert result is not None
+                    copies.count(copy)
+                    if not result.success:
+                        self._failure = self._failed(group, result.error)
+                        raise self._failure
+                    done = result.done
+                copies.hand_over(self._order, done)  # the caller's stream waits for the group
         self._next += 1
         return group
+
+    def _late_failure(self) -> LayerwiseLoadError | None:
+        """The first group yielded while its copies ran (CUDA) whose copy failed since."""
+        for i in range(self._next):
+            for copy in self._group_copies[i] if self._group_copies else ():
+                if copy.result is not None and not copy.result.success:
+                    return self._failed(self.groups[i], copy.result.error)
+        return None
+
+    @staticmethod
+    def _failed(group: LayerGroup, error: str | None) -> LayerwiseLoadError:
+        logger.error("layer-wise host→device copy of layers %d..%d failed: %s", group.start, group.stop - 1, error)
+        return LayerwiseLoadError(group, error)
 
     # --- internals --------------------------------------------------------------------------------
     async def _stage(self) -> None:

@@ -37,10 +37,12 @@ Ordering with the caller's device work (CUDA; the contract a caller reads):
   engine's own stream after that event: a store reads the KV only after the kernels that wrote it,
   a load overwrites blocks only after the work that last read them. Work the caller enqueues later
   is not waited for.
-* **A load's bytes are ordered before the caller's later work.** Once a job to the device has
-  finished, :meth:`CopyEngine.hand_over` makes the caller's stream wait for the job's completion
-  event, so kernels the caller enqueues on that stream afterwards see the loaded KV (a layer-wise
-  load hands over each group's event as it yields the group).
+* **A load's bytes are ordered before the caller's later work.** :meth:`CopyEngine.hand_over`
+  makes the caller's stream wait for a job's completion event, so kernels the caller enqueues on
+  that stream afterwards see the loaded KV. A load hands its job over once it finished; a
+  layer-wise load hands each group over as soon as its copies are on the engine's stream
+  (:meth:`CopyEngine.get_issued`), so the caller's host code runs ahead of the copies and the
+  device orders its kernels after them.
 * Without CUDA both are no-ops (``capture_order`` refuses a ``stream``/``after``: there is
   nothing to order against).
 """
@@ -164,12 +166,20 @@ class CopyEngine(abc.ABC):
                              "tensors (open it with CUDA device_kv)")
         return None
 
-    def hand_over(self, order: CopyOrder | None, result: CopyResult) -> None:
-        """After a successful job to the device: the caller's later work waits for its bytes.
+    def hand_over(self, order: CopyOrder | None, done: Any) -> None:
+        """After a job to the device was issued (``done``: its completion event, from
+        :meth:`get_issued` or ``CopyResult.done``): the caller's later work waits for its bytes.
 
         Nothing to do here (CPU copies are complete when reported); the CUDA engine makes
-        ``order.stream`` wait for ``result.done``.
+        ``order.stream`` wait for ``done``.
         """
+
+    def get_issued(self) -> list[tuple[int, Any]]:
+        """Jobs whose copies were put on a device stream since the last call, as ``(job_id,
+        done)``, never waiting: device work ordered after ``done`` (:meth:`hand_over`) sees the
+        job's bytes before the job is reported finished. Every job is still reported by
+        :meth:`get_finished`. None here: CPU copies are complete only when reported."""
+        return []
 
     def cancel(self, job_id: int) -> None:
         """Withdraw job ``job_id`` if no worker has started it (see the class docstring).

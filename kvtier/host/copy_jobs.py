@@ -61,7 +61,8 @@ class CopyResult:
     """Outcome of one job. ``nbytes`` counts bytes this rank copied (0 on failure);
     ``seconds`` is issue → observed completion; ``error`` names the failure (``None`` on success);
     ``done`` is the CUDA event recorded after the job's copies (``None`` without CUDA), which
-    :meth:`~kvtier.host.copy_engine.CopyEngine.hand_over` makes the caller's stream wait for."""
+    :meth:`~kvtier.host.copy_engine.CopyEngine.hand_over` makes the caller's stream wait for
+    (the same event :meth:`~kvtier.host.copy_engine.CopyEngine.get_issued` gave)."""
 
     job_id: int
     success: bool

@@ -218,6 +218,8 @@ class CudaCopyEngine(CopyEngine):
         }
         self._issue_limiter = anyio.CapacityLimiter(1)
         self._completions = {direction: Completions(self._report_issued) for direction in self._streams}
+        # Jobs to the device issued since the last get_issued and not reported yet: id → done event.
+        self._issued: dict[int, Any] = {}
 
     def capture_order(self, stream: Any = None, after: Any = None) -> CopyOrder:
         """An event recorded now on ``stream`` (default: this thread's current stream on the
@@ -236,9 +238,14 @@ class CudaCopyEngine(CopyEngine):
             raise TypeError(f"after must be a torch.cuda.Event, not {type(after).__name__}")
         return CopyOrder(stream, after)
 
-    def hand_over(self, order: CopyOrder | None, result: CopyResult) -> None:
-        if order is not None and result.done is not None:
-            order.stream.wait_event(result.done)
+    def hand_over(self, order: CopyOrder | None, done: Any) -> None:
+        if order is not None and done is not None:
+            order.stream.wait_event(done)
+
+    def get_issued(self) -> list[tuple[int, Any]]:
+        issued = list(self._issued.items())
+        self._issued.clear()
+        return issued
 
     def _on_submit(self, job: CopyJob) -> Any:
         if job.order is not None:
@@ -288,8 +295,13 @@ class CudaCopyEngine(CopyEngine):
                     self._fail(job, f"copy_error: {type(exc).__name__}")
                     continue
             self._completions[job.direction].add(issued)
+            if job.direction == "to_device":  # a caller may order its work after it now (hand_over)
+                self._issued[job.job_id] = issued.done
+                if self._wakeup is not None:
+                    self._wakeup()
 
     def _report_issued(self, issued: IssuedJob, seconds: float, error: BaseException | None) -> None:
+        self._issued.pop(issued.job.job_id, None)  # reported: get_finished says all there is
         if error is not None:
             log.warning("copy job %d failed after its copies: %r", issued.job.job_id, error)
             self._fail(issued.job, f"copy_error: {type(error).__name__}", seconds)

@@ -9,6 +9,7 @@ and the blocking facade, whose calls run on another thread than the caller's.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -61,9 +62,46 @@ class RecordingEngine(CpuCopyEngine):
         self.jobs.append(job)
         super().submit(job)
 
-    def hand_over(self, order: CopyOrder | None, result: CopyResult) -> None:
-        assert order is not None and result.success
-        self.handed_over.append((order.stream, result.job_id))
+    def get_finished(self) -> list[CopyResult]:  # a CUDA result carries its done event: a marker here
+        return [dataclasses.replace(r, done=("done", r.job_id)) if r.success else r for r in super().get_finished()]
+
+    def hand_over(self, order: CopyOrder | None, done: Any) -> None:
+        assert order is not None and done[0] == "done"
+        self.handed_over.append((order.stream, done[1]))
+
+
+class RunAheadEngine(RecordingEngine):
+    """Reports each layer-group load issued at once, as the CUDA engine does when its copies are on
+    the stream, and holds the copies themselves until ``release`` is set; ``fail_layers`` makes
+    the copy of that layer range fail once released."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.release = threading.Event()
+        self.fail_layers: tuple[int, int] | None = None
+        self.finished_ids: list[int] = []
+        self._issued_now: list[tuple[int, Any]] = []
+
+    def submit(self, job: CopyJob) -> None:
+        super().submit(job)
+        if job.layers is not None and job.direction == "to_device":
+            self._issued_now.append((job.job_id, ("done", job.job_id)))
+            if self._wakeup is not None:
+                self._wakeup()
+
+    def get_issued(self) -> list[tuple[int, Any]]:
+        issued, self._issued_now = self._issued_now, []
+        return issued
+
+    def _copy_batch(self, batch: list[CopyJob]) -> list[tuple[int, float, Exception | None]]:
+        if any(job.layers is not None for job in batch):
+            assert self.release.wait(10)
+        outcomes = super()._copy_batch(batch)
+        for i, job in enumerate(batch):
+            if job.layers is not None and job.layers == self.fail_layers:
+                outcomes[i] = (0, 0.0, RuntimeError("device error after the copy was issued"))
+        self.finished_ids.extend(job.job_id for job in batch)
+        return outcomes
 
 
 @pytest.fixture
@@ -77,6 +115,62 @@ def recording(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[RecordingEngine]
 
     monkeypatch.setattr(copy_factory, "make_copy_engine", make)
     yield made
+
+
+@pytest.fixture
+def running_ahead(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[RunAheadEngine]]:
+    made: list[RunAheadEngine] = []
+
+    def make(*args: Any, **kwargs: Any) -> RunAheadEngine:
+        engine = RunAheadEngine(*args, **kwargs)
+        made.append(engine)
+        return engine
+
+    monkeypatch.setattr(copy_factory, "make_copy_engine", make)
+    yield made
+
+
+@pytest.mark.anyio
+async def test_a_layer_group_is_yielded_once_issued_with_the_callers_stream_waiting_for_it(
+        running_ahead: list[RunAheadEngine]) -> None:
+    """As the CUDA engine reports a group's copies issued, the group is yielded and the caller's
+    stream made to wait for them — before they finish: the host runs ahead of the copies."""
+    blocks = list(range(len(TOKENS) // BLOCK))
+    kv = device_kv()
+    expected = [layer[blocks].clone() for layer in kv]
+    async with kvtier.open(config(), geometry(), kv) as engine:
+        (copies,) = running_ahead
+        await engine.store(TOKENS, blocks)
+        for layer in kv:
+            layer.zero_()
+        async with engine.load_layerwise(TOKENS, blocks, stream="compute") as layers:
+            group_jobs = [job.job_id for job in copies.jobs if job.layers is not None]
+            seen = 0
+            async for _group in layers:
+                assert copies.handed_over[-1] == ("compute", group_jobs[seen])
+                assert group_jobs[seen] not in copies.finished_ids  # still copying
+                seen += 1
+            assert seen == LAYERS
+            copies.release.set()
+        # Leaving waited for the copies: every byte is there.
+        assert all(torch.equal(layer[blocks], want) for layer, want in zip(kv, expected))
+
+
+@pytest.mark.anyio
+async def test_a_group_whose_copy_fails_after_it_was_yielded_fails_the_block(
+        running_ahead: list[RunAheadEngine]) -> None:
+    blocks = list(range(len(TOKENS) // BLOCK))
+    async with kvtier.open(config(), geometry(), device_kv()) as engine:
+        (copies,) = running_ahead
+        await engine.store(TOKENS, blocks)
+        copies.fail_layers = (0, 1)
+        with pytest.raises(kvtier.LayerwiseLoadError) as raised:
+            async with engine.load_layerwise(TOKENS, blocks) as layers:
+                async for _group in layers:
+                    pass  # every group is yielded: all were issued
+                copies.release.set()
+        assert (raised.value.group.start, raised.value.group.stop) == (0, 1)
+        assert engine.statistics()["0:primary"].pinned_slots == 0
 
 
 @pytest.mark.anyio

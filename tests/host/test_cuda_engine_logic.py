@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kvtier.host import cuda_copy
-from kvtier.host.copy_jobs import CopyJob, CopyOrder, CopyResult
+from kvtier.host.copy_jobs import CopyJob, CopyOrder
 from kvtier.host.cpu_copy import CpuCopyEngine
 from kvtier.host.cuda_copy import CudaCopyEngine
 from kvtier.host.slots import SlotBuffer
@@ -133,7 +133,7 @@ def test_copies_wait_for_the_order_and_a_load_is_handed_over_to_the_callers_stre
     assert fake_cuda.log[0] == ("wait", copy_stream, order.ready)  # before anything is issued
     assert fake_cuda.log[-1][:3] == ("record", issued.done, copy_stream) and issued.done.blocking
     fake_cuda.log.clear()
-    engine.hand_over(order, CopyResult(1, True, issued.nbytes, 0.0, done=issued.done))
+    engine.hand_over(order, issued.done)
     assert fake_cuda.log == [("wait", order.stream, issued.done)]
 
 
