@@ -22,10 +22,10 @@ Checks (each is one JSON record: name, passed, and what was measured):
   ``synchronize()`` of the same bytes (medians): within 50 µs.
 * ``bandwidth[layout, chunk, tp, direction]`` — GiB/s of many chunks copied by the engine vs one
   raw ``copy_`` of the same bytes between pinned host memory and the device, ≥ 0.9 for ≥ 2 MiB
-  chunks; every round trip byte-checked. ``bandwidth_gil`` repeats one row beside a busy Python
-  thread.
-* ``layerwise`` — the gaps between the groups of a 32-layer layer-wise load, and an early exit
-  (leaving after the first group) that ends without a hang and leaves nothing pinned.
+  chunks; every round trip byte-checked. One row is repeated beside a busy Python thread (≥ 0.75).
+* ``layerwise`` — the gaps between the groups of a 32-layer layer-wise load (median under 1 ms:
+  groups are yielded as their copies are issued), and an early exit (leaving after the first
+  group) that ends without a hang and leaves nothing pinned.
 * ``hybrid`` — a hybrid model (full attention, a sliding window, a state group with two dtypes)
   stores a prompt and loads it into other blocks: full attention gets every block, the window only
   its last chunks (the blocks before it untouched), the state group only the state at the hit.
@@ -305,7 +305,9 @@ def _bandwidth_case(layout: str, chunk_mib: int, tp: int, total_mib: int, busy_t
         gibps, raw_gibps = rank_bytes / seconds / GIB, rank_bytes / raw[direction] / GIB
         ratio = gibps / raw_gibps
         name = f"bandwidth[{layout}, {chunk_mib} MiB, tp{tp}, {direction}]" + (" beside a busy thread" if busy_thread else "")
-        records.append({"name": name, "passed": ok and same and (ratio >= 0.9 or busy_thread),
+        # Beside a thread that wants the interpreter lock all the time, the copies (issued from
+        # Python) may lose some bandwidth, but not starve: at least 3/4 of the raw copy's.
+        records.append({"name": name, "passed": ok and same and ratio >= (0.75 if busy_thread else 0.9),
                         "gibps": gibps, "raw_gibps": raw_gibps, "ratio": ratio, "bytes_checked": same})
     return records
 
@@ -339,8 +341,11 @@ def layerwise() -> Record:
     groups, pinned = anyio.run(main, backend="asyncio")
     torch.cuda.synchronize()
     same = all(torch.equal(layer[:16], layer[16:32]) for layer in kv)
-    return {"name": "layerwise", "passed": groups == 32 and pinned == 0 and same,
-            "groups": groups, "median_gap_us": statistics.median(gaps[1:]) * 1e6 if len(gaps) > 1 else None,
+    median_gap_us = statistics.median(gaps[1:]) * 1e6 if len(gaps) > 1 else None
+    # Groups are yielded as their copies are issued: no step waits a poll interval (~1 ms before).
+    return {"name": "layerwise",
+            "passed": groups == 32 and pinned == 0 and same and median_gap_us is not None and median_gap_us < 1000,
+            "groups": groups, "median_gap_us": median_gap_us,
             "max_gap_us": max(gaps[1:]) * 1e6 if len(gaps) > 1 else None, "pinned_after_early_exit": pinned,
             "bytes_checked": same}
 
