@@ -27,8 +27,7 @@ dense as a TP 1 slot, with no room for other ranks' heads.
 :func:`plan_copies` validates ``device_kv`` against the model and returns :class:`CopyPlans`:
 per group one :class:`CopyPlan` per page part, which hands out the views a job of that group
 copies between. Which copy routine fits a part of a job (:meth:`CopyPlan.gathers`,
-:meth:`CopyPlan.runs_contiguous`, :meth:`CopyPlan.copies_pages`) is decided here too, from the
-layout alone.
+:meth:`CopyPlan.runs_contiguous`) is decided here too, from the layout and the job's blocks.
 """
 
 from __future__ import annotations
@@ -112,9 +111,6 @@ class CopyPlan:
         self.host = full.as_strided(shape, strides, part.offset // itemsize)
         #: The part is the whole page: one part, so a run of pages is one contiguous range.
         self.whole_pages = part.nbytes == page_bytes
-        #: The part is one contiguous range of each page, though not the whole page (a part of a
-        #: page of several parts).
-        self.contiguous_pages = not self.whole_pages
 
     def layer_range(self, job: CopyJob) -> tuple[int, int]:
         """``(start, stop)`` of the layers ``job`` copies (all of them when ``job.layers`` is ``None``)."""
@@ -126,23 +122,21 @@ class CopyPlan:
         return self.part.nbytes * self.bpc * (stop - start) * len(job.slot_ids)
 
     def gathers(self, job: CopyJob) -> bool:
-        """Whether :func:`kvtier.host.cuda_copy.copy_gathered` can move ``job``: the per-layer
-        layout with whole pages, every chunk's part of the host slot contiguous (all layers, or
-        one block per chunk)."""
-        return (not self.cross_layer and self.whole_pages
-                and (job.layers is None or self.bpc == 1 or self.layer_range(job) == (0, self.num_layers)))
+        """Whether :func:`kvtier.host.cuda_copy.copy_gathered` moves ``job``: whole pages, every
+        chunk's part of the host slot contiguous — the per-layer layout (all layers, or one block
+        per chunk), or the cross-layer layout (all layers) when the job's blocks make more runs
+        than it has chunks (one gather and a copy per chunk then beat a copy per run)."""
+        if not self.whole_pages:
+            return False
+        if self.cross_layer:
+            return self.layer_range(job) == (0, self.num_layers) and _run_count(job.block_ids, self.bpc) > len(job.slot_ids)
+        return job.layers is None or self.bpc == 1 or self.layer_range(job) == (0, self.num_layers)
 
     def runs_contiguous(self, job: CopyJob) -> bool:
         """Whether each run of consecutive blocks of ``job`` is one contiguous range on both sides
         (the cross-layer layout with whole pages, all layers): :func:`kvtier.host.cuda_copy.copy_pairs`
-        then copies one range per run."""
+        then copies one range per run (unless :meth:`gathers` says gathering takes fewer copies)."""
         return self.cross_layer and self.whole_pages and self.layer_range(job) == (0, self.num_layers)
-
-    def copies_pages(self, job: CopyJob) -> bool:
-        """Whether :func:`kvtier.host.cuda_copy.copy_pairs` should move ``job`` one page at a time:
-        the part is one contiguous range of each host page but the pages are strided
-        (a part of a page of several parts), so each page is a direct copy."""
-        return self.contiguous_pages
 
     def pairs(
         self,
@@ -465,6 +459,16 @@ def _check_tensor(where: str, tensor: Any, part: PagePart, group: KVCacheGroup, 
             f"{where} must be contiguous (strides {tuple(tensor.stride())} for shape {tuple(tensor.shape)}); "
             "pass the KV cache tensor itself, not a transposed or strided view of it"
         )
+
+
+def _run_count(block_ids: Sequence[int], bpc: int) -> int:
+    """How many runs of consecutive device blocks the chunks of ``block_ids`` make (``bpc`` blocks
+    per chunk; a run never spans two chunks)."""
+    runs = 0
+    for i, block in enumerate(block_ids):
+        if i % bpc == 0 or block != block_ids[i - 1] + 1:
+            runs += 1
+    return runs
 
 
 def _runs(blocks: Sequence[int]) -> Iterator[tuple[int, int, int]]:

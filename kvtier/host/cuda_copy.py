@@ -48,12 +48,13 @@ def copy_pairs(plan: CopyPlan, job: CopyJob, non_blocking: bool = False) -> int:
 
 
 def copy_gathered(plan: CopyPlan, job: CopyJob, non_blocking: bool = False) -> int:
-    """Move a per-layer job (:meth:`CopyPlan.gathers`) in one contiguous copy per chunk.
+    """Move a job of whole pages (:meth:`CopyPlan.gathers`) in one contiguous copy per chunk.
 
     The job's pages are gathered on the device into a scratch laid out as the host slots are
-    (``[chunks, bpc, layers, page]``, ``bpc`` the blocks one chunk of the group copies): one
-    ``index_select`` per layer and a ``stack`` into the scratch for a store, one ``index_copy_``
-    per layer out of it for a load. Between the scratch and each host slot there is then a single
+    (``[chunks, bpc, layers, page]``, ``bpc`` the blocks one chunk of the group copies): per-layer
+    tensors take one ``index_select`` per layer and a ``stack`` into the scratch for a store, one
+    ``index_copy_`` per layer out of it for a load; a cross-layer tensor (blocks scattered in
+    many runs) one ``index_select`` or ``index_copy_`` in all. Between the scratch and each host slot there is then a single
     contiguous DMA, instead of one small copy per page (``bpc × layers`` Python calls per chunk).
     Device kernels are queued on the current stream (the copy stream), so the scratch is reused
     only after them. Works on CPU tensors as well (how it is tested). Returns the bytes this rank
@@ -65,8 +66,21 @@ def copy_gathered(plan: CopyPlan, job: CopyJob, non_blocking: bool = False) -> i
         # From pinned memory, asynchronously: a pageable copy would make this thread wait for the
         # copy stream, which may itself wait behind the caller's compute.
         blocks = blocks.pin_memory().to(plan.device, non_blocking=non_blocking)
-    layers = plan.device_kv[first:stop]
     chunks = len(job.slot_ids)
+    if plan.cross_layer:  # all layers (gathers() says so): a block is one contiguous [layers, page]
+        cross = plan.device_kv[0]
+        shape = (chunks, plan.bpc, *cross.shape[1:])
+        if job.direction == "to_host":
+            scratch = cross.index_select(0, blocks).view(shape)
+            for i, slot in enumerate(job.slot_ids):
+                plan.host[slot].copy_(scratch[i], non_blocking=non_blocking)
+        else:
+            scratch = torch.empty(shape, dtype=cross.dtype, device=plan.device)
+            for i, slot in enumerate(job.slot_ids):
+                scratch[i].copy_(plan.host[slot], non_blocking=non_blocking)
+            cross.index_copy_(0, blocks, scratch.view(chunks * plan.bpc, *cross.shape[1:]))
+        return plan.job_bytes(job)
+    layers = plan.device_kv[first:stop]
     shape = (chunks, plan.bpc, stop - first, *layers[0].shape[1:])
     if job.direction == "to_host":
         scratch = torch.stack([layer.index_select(0, blocks) for layer in layers], dim=1).view(shape)
@@ -85,9 +99,10 @@ def copy_gathered(plan: CopyPlan, job: CopyJob, non_blocking: bool = False) -> i
 def copy_staged(
     plan: CopyPlan, job: CopyJob, non_blocking: bool = False
 ) -> tuple[int, Callable[[], None] | None]:
-    """Move a job whose part of the host slots is strided — a layer group of a multi-block chunk
-    (block-major in its slot), or of a cross-layer tensor — without the pageable staging (and
-    wait) torch would add for a strided host copy, and without a call per page.
+    """Move a job whose part of the host slots is strided — a part of a page of several parts
+    (a state tensor), a layer group of a multi-block chunk (block-major in its slot) or of a
+    cross-layer tensor — without the pageable staging (and wait) torch would add for a strided
+    host copy, and without a call per page.
 
     The job's pages are gathered on the device into a contiguous scratch
     (``[blocks, layers, *part.shape]``; for attention K/V, block_size, heads, head_dim) and
@@ -141,7 +156,7 @@ def copy_parts(
     for plan in plans:
         if plan.gathers(job):
             nbytes += copy_gathered(plan, job, non_blocking=non_blocking)
-        elif plan.runs_contiguous(job) or plan.copies_pages(job):
+        elif plan.runs_contiguous(job):
             nbytes += copy_pairs(plan, job, non_blocking=non_blocking)
         else:
             moved, finish = copy_staged(plan, job, non_blocking=non_blocking)
@@ -180,15 +195,14 @@ class CudaCopyEngine(CopyEngine):
     not release the host buffer (``kvtier.Engine`` then keeps it, and says so).
 
     A job copies every part of its group's pages, each with the routine that fits that part.
-    Copy granularity, never one Python call per page of a whole-page part: cross-layer with whole
-    pages (all layers) copies each run of consecutive blocks in one DMA; per-layer with whole
-    pages gathers the job's pages on the device and copies each chunk in one DMA
-    (:func:`copy_gathered`). A part of a page of several parts (Mamba state tensors) is one
-    contiguous range per page: copied page by page (:func:`copy_pairs`, one direct DMA each).
-    Everything else — a layer group of a multi-block chunk, strided in its slot — is gathered on
-    the device and moved through a contiguous pinned staging buffer (:func:`copy_staged`), the
-    CPU doing the strided part: for a store after the DMA, on the completion thread, before the
-    job is reported. A TP > 1 rank's slots hold its own heads densely
+    Copy granularity, never one Python call per page: cross-layer with whole pages (all layers)
+    copies each run of consecutive blocks in one DMA, or — when the blocks make more runs than
+    the job has chunks — gathers them on the device like per-layer whole pages, which copy each
+    chunk in one DMA (:func:`copy_gathered`). Everything else — a part of a page of several
+    parts (Mamba state tensors), a layer group of a multi-block chunk: strided in the slot — is
+    gathered on the device and moved through a contiguous pinned staging buffer
+    (:func:`copy_staged`), the CPU doing the strided part: for a store after the DMA, on the
+    completion thread, before the job is reported. A TP > 1 rank's slots hold its own heads densely
     (:meth:`kvtier.model.KVModel.rank_local`), so its copies take the same routines as at TP 1.
     """
 

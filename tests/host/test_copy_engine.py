@@ -8,6 +8,7 @@ and are skipped by conftest without it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import anyio
 import numpy as np
@@ -405,21 +406,25 @@ async def test_cuda_two_tp_ranks_match_the_cpu_engine(cross_layer: bool) -> None
     cuda_buffer.close()
 
 
-@pytest.mark.parametrize(("bpc", "layers"), [(1, None), (3, None), (1, (1, 3)), (1, (0, 1))])
-def test_gathered_copies_move_the_same_bytes_as_page_copies(bpc: int, layers: tuple[int, int] | None) -> None:
-    """The CUDA engine's per-layer path gathers pages on the device and copies each chunk in one
-    DMA (kvtier.host.cuda_copy.copy_gathered); on CPU tensors it must produce exactly the
-    bytes of the page-by-page copies it replaces, both ways, blocks in any order."""
+@pytest.mark.parametrize(("bpc", "layers", "cross_layer"), [
+    (1, None, False), (3, None, False), (1, (1, 3), False), (1, (0, 1), False), (2, None, True), (3, None, True)])
+def test_gathered_copies_move_the_same_bytes_as_page_copies(bpc: int, layers: tuple[int, int] | None,
+                                                             cross_layer: bool) -> None:
+    """The CUDA engine's per-layer path (and the cross-layer one, for blocks scattered in more runs
+    than chunks) gathers pages on the device and copies each chunk in one DMA
+    (kvtier.host.cuda_copy.copy_gathered); on CPU tensors it must produce exactly the bytes of
+    the page-by-page (run-by-run) copies it replaces, both ways, blocks in any order."""
 
     geo = KVGeometry("test/gather", num_layers=4, num_kv_heads=2, head_dim=8, dtype="float16", block_size=4)
     gen = torch.Generator().manual_seed(bpc)
-    source = [torch.randn((24, 2, 4, 2, 8), generator=gen).half() for _ in range(4)]
+    layered = [torch.randn((24, 2, 4, 2, 8), generator=gen).half() for _ in range(4)]
+    source: Any = torch.stack(layered, dim=1).contiguous() if cross_layer else layered
     blocks = [7, 2, 11, 5, 9, 0][: 2 * bpc]
     job = CopyJob(1, "to_host", [3, 1], blocks, layers=layers)
     outcomes = []
     for copy in (copy_pairs, copy_gathered):
         buffer = SlotBuffer(4, geo.slot_bytes(bpc), pin_memory=False)
-        target = [torch.zeros_like(t) for t in source]
+        target: Any = torch.zeros_like(source) if cross_layer else [torch.zeros_like(t) for t in source]
         try:
             plan = single_plan(source, geo, bpc, buffer)
             assert plan.gathers(job)
@@ -427,7 +432,7 @@ def test_gathered_copies_move_the_same_bytes_as_page_copies(bpc: int, layers: tu
             back = single_plan(target, geo, bpc, buffer)
             load = CopyJob(2, "to_device", [3, 1], list(reversed(blocks)), layers=layers)
             copy(back, load)
-            outcomes.append((buffer.array.copy(), [t.clone() for t in target]))
+            outcomes.append((buffer.array.copy(), [t.clone() for t in ([target] if cross_layer else target)]))
         finally:
             buffer.close()
     (host_pages, loaded_pages), (host_gathered, loaded_gathered) = outcomes
@@ -456,6 +461,8 @@ def test_each_job_takes_the_copy_path_that_fits_its_layout() -> None:
         assert not plan(1, 2).gathers(group)  # strided in a two-block slot: page copies
         assert plan(2, 2).gathers(whole)  # TP 2: a rank's slot is as dense as at TP 1
         assert not plan(1, 2, cross_layer=True).gathers(whole)  # already one copy per run of blocks
+        scattered = CopyJob(1, "to_host", [0, 1], [0, 5, 2, 7])  # four runs for two chunks: gathered
+        assert plan(1, 2, cross_layer=True).gathers(scattered)
         assert plan(1, 2, cross_layer=True).runs_contiguous(whole)
         assert not plan(1, 2, cross_layer=True).runs_contiguous(group)  # a layer group: staged
         assert plan(2, 2, cross_layer=True).runs_contiguous(whole)  # TP 2 too

@@ -455,11 +455,11 @@ def test_the_copy_path_of_each_part_fits_its_layout() -> None:
     whole, some = CopyJob(0, "to_host", [0], [0, 1]), CopyJob(0, "to_host", [0], [0, 1], layers=(0, 1))
     for g in range(3):  # one whole part per page: gathered on the device, one DMA per chunk
         [plan] = plans.groups[g]
-        assert plan.gathers(whole) and not plan.copies_pages(whole)
+        assert plan.gathers(whole)
         assert not plan.gathers(some)  # a layer group of a two-block chunk: strided, staged
     state = CopyJob(0, "to_host", [0], [0], layers=(0, 1), group=3)
-    for plan in plans.groups[3]:  # a part of a two-part page: one direct copy per page
-        assert plan.bpc == 1 and not plan.gathers(state) and plan.copies_pages(state)
+    for plan in plans.groups[3]:  # a part of a two-part page, strided in the slot: staged, no copy per page
+        assert plan.bpc == 1 and not plan.gathers(state) and not plan.runs_contiguous(state)
 
 
 # --- CUDA (skipped without a GPU) ------------------------------------------------------------
