@@ -6,7 +6,8 @@ Semantics callers rely on:
   so :meth:`DeviceCopies.wait` always ends. A result lands on its :class:`PendingCopy` when
   :meth:`DeviceCopies.dispatch` drains the copy engine: the engine's drive task does that on every
   wake-up, and a wait also dispatches by itself every second, so it ends even when no drive task
-  runs any more.
+  runs any more. Layer-group copies the copy engine reports issued (CUDA) land there too
+  (:meth:`DeviceCopies.wait_issued`): a layer-wise load hands them over before they finish.
 * :meth:`DeviceCopies.copy` is one whole copy, and its wait is shielded from cancellation: a
   submitted copy cannot be recalled, and its caller releases the host slots (and may reuse the
   device blocks) as soon as it returns.
@@ -143,7 +144,7 @@ class DeviceCopies:
         return copy
 
     def dispatch(self) -> None:
-        """Hand every result the copy engine reported to its :class:`PendingCopy`."""
+        """Hand every issue report and result the copy engine has to its :class:`PendingCopy`."""
         if self.copy_engine is None:
             return
         for job_id, done_event in self.copy_engine.get_issued():

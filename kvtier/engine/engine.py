@@ -498,8 +498,9 @@ class Engine:
         does (the same code: promotions awaited, ``max_load_tokens``, pins); ``layers.tokens`` is
         then what :meth:`load` would return, and
         ``async for group in layers`` yields each ``LayerGroup(start, stop)`` of
-        ``layers_per_group`` layers once its bytes are on the device, in layer order. A failed
-        copy raises :class:`kvtier.engine.layerwise.LayerwiseLoadError` from the iteration: recompute
+        ``layers_per_group`` layers once its bytes are ready for the caller's next device work
+        (copied; with CUDA, issued with the caller's stream waiting for them), in layer order. A
+        failed copy raises :class:`kvtier.engine.layerwise.LayerwiseLoadError` from the iteration: recompute
         the whole prefix. Leaving the block waits for the copies in flight, then unpins.
 
         Arguments are checked at the call as for :meth:`load` (the block ids on entering), the

@@ -27,9 +27,10 @@ Semantics callers rely on:
   loop is the same for a hit and a miss.
 * **Hybrid models** (a :class:`kvtier.KVModel`): layers are numbered in model order
   (:meth:`kvtier.KVModel.layer_order`, the index in each layer name), across all KV-cache groups;
-  a layer group is on the device once every KV-cache group's copy of its layers is.
+  a layer group is yielded once every KV-cache group's copy of its layers is (as above).
 * **A failed copy raises** :class:`LayerwiseLoadError` from the iteration, at the first group
-  that did not arrive; the groups yielded before it hold correct bytes. The caller must then
+  that did not arrive; the groups yielded before it hold correct bytes (but see the CUDA case
+  below). The caller must then
   treat the whole prefix as not loaded and recompute it (its computed count stays the
   ``num_computed_tokens`` it passed): the prefix's KV of the missing layers can only be computed
   by running the prefix through every layer. It is an exception, not a flag, so code that
@@ -60,7 +61,7 @@ Semantics callers rely on:
 
 :class:`BlockingLayerwiseLoad` is the same for ``kvtier.start_in_thread``'s blocking facade:
 ``with engine.load_layerwise(...) as layers: for group in layers: ...`` where each step blocks
-the calling thread until the next group is on the device.
+the calling thread until the next group is yielded (as above).
 
 A load holds what it uses of its engine, each an object of its own: the admission gate
 (:class:`kvtier.engine.gate.OperationGate`), the load stager
@@ -197,6 +198,8 @@ class LayerwiseLoad:
         self._staged: StagedLoad | None = None  # set once staged; finished on leaving
         # Per layer group, once staged with a hit: one copy per KV-cache group it has layers of.
         self._group_copies: list[list[PendingCopy]] = []
+        # Copies of groups yielded while they ran (CUDA), until their result is known.
+        self._unconfirmed: list[tuple[LayerGroup, PendingCopy]] = []
         self._stack = contextlib.AsyncExitStack()
 
     # --- context manager ------------------------------------------------------------------------
@@ -248,10 +251,7 @@ class LayerwiseLoad:
         if self._state is not _State.OPEN:
             raise RuntimeError("iterate a LayerwiseLoad inside its `async with` block")
         self._gate.check_open("load_layerwise")
-        if self._failure is None:
-            self._failure = self._late_failure()
-        if self._failure is not None:
-            raise self._failure
+        self._raise_failure()
         if self._next >= len(self.groups):
             return None
         group = self.groups[self._next]
@@ -267,16 +267,31 @@ class LayerwiseLoad:
                         self._failure = self._failed(group, result.error)
                         raise self._failure
                     done = result.done
+                else:  # still copying: its outcome is checked at the next steps and on leaving
+                    self._unconfirmed.append((group, copy))
                 copies.hand_over(self._order, done)  # the caller's stream waits for the group
+        self._raise_failure()  # an earlier group's copy failed while this one was awaited
         self._next += 1
         return group
 
+    def _raise_failure(self) -> None:
+        """Raise the load's failure, if there is one (a group yielded while its copies ran whose
+        copy failed since becomes it)."""
+        if self._failure is None:
+            self._failure = self._late_failure()
+        if self._failure is not None:
+            raise self._failure
+
     def _late_failure(self) -> LayerwiseLoadError | None:
-        """The first group yielded while its copies ran (CUDA) whose copy failed since."""
-        for i in range(self._next):
-            for copy in self._group_copies[i] if self._group_copies else ():
-                if copy.result is not None and not copy.result.success:
-                    return self._failed(self.groups[i], copy.result.error)
+        """The first group yielded while its copies ran (CUDA) whose copy failed since; groups
+        whose copies are known to have succeeded are dropped from the watch."""
+        still = []
+        for group, copy in self._unconfirmed:
+            if copy.result is None:
+                still.append((group, copy))
+            elif not copy.result.success:
+                return self._failed(group, copy.result.error)
+        self._unconfirmed = still
         return None
 
     @staticmethod
@@ -343,7 +358,7 @@ class BlockingLayerwiseLoad:
 
     ``with engine.load_layerwise(...) as layers:`` enters on the engine's loop and blocks until
     staging is decided (``layers.tokens``); each step of ``for group in layers`` blocks until the
-    next group is on the device. Leaving the ``with`` block leaves the load as the async form
+    next group is yielded (see :meth:`LayerwiseLoad.next_group`). Leaving the ``with`` block leaves the load as the async form
     does (waiting for copies in flight, unpinning). ``call(method, func, *args)`` runs ``func``
     on the engine's loop (the facade's error mapping: :class:`kvtier.EngineClosedError` once it
     is closed).

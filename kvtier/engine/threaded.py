@@ -122,7 +122,8 @@ class ThreadedEngine:
         "load_layerwise", ordered=True, wrap=lambda facade, load: BlockingLayerwiseLoad(load, facade._call),
         returns="BlockingLayerwiseLoad",
         summary="Blocking :meth:`Engine.load_layerwise`: ``with engine.load_layerwise(...) as layers:`` then "
-                "``for group in layers:``,\neach step blocking until that group is on the device.")
+                "``for group in layers:``,\neach step blocking until that group is ready for the caller's next "
+                "device work.")
     prefetch = _blocking("prefetch")
     cached_prefix_tokens = _blocking("cached_prefix_tokens")
     chunk_keys = _blocking("chunk_keys")

@@ -80,7 +80,7 @@ class CopyEngine(abc.ABC):
     * :meth:`get_finished` drains the results collected so far; it never waits and returns each
       result exactly once.
     * The wakeup callback (:meth:`set_wakeup`) is called from the loop thread whenever a result
-      becomes available.
+      becomes available, and when a layer group is issued (:meth:`get_issued`).
     * :meth:`cancel` withdraws a job that no worker has started: it is reported failed with
       ``error="cancelled"`` when a worker reaches it. A job already copying cannot be recalled;
       it finishes and is reported truthfully.
@@ -175,10 +175,11 @@ class CopyEngine(abc.ABC):
         """
 
     def get_issued(self) -> list[tuple[int, Any]]:
-        """Jobs whose copies were put on a device stream since the last call, as ``(job_id,
-        done)``, never waiting: device work ordered after ``done`` (:meth:`hand_over`) sees the
-        job's bytes before the job is reported finished. Every job is still reported by
-        :meth:`get_finished`. None here: CPU copies are complete only when reported."""
+        """Layer-group jobs to the device (``CopyJob.layers`` set) whose copies were put on a
+        device stream since the last call, as ``(job_id, done)``, never waiting: device work
+        ordered after ``done`` (:meth:`hand_over`) sees the job's bytes before the job is
+        reported finished (the wakeup callback fires for these too). Every job is still reported
+        by :meth:`get_finished`. None here: CPU copies are complete only when reported."""
         return []
 
     def cancel(self, job_id: int) -> None:

@@ -308,11 +308,13 @@ class CudaCopyEngine(CopyEngine):
                     log.warning("copy job %d failed to issue: %r", job.job_id, exc)
                     self._fail(job, f"copy_error: {type(exc).__name__}")
                     continue
-            self._completions[job.direction].add(issued)
-            if job.direction == "to_device":  # a caller may order its work after it now (hand_over)
+            if job.direction == "to_device" and job.layers is not None:
+                # A layer group: its caller may order its work after it now (hand_over), before
+                # it finishes. Recorded before the completion can be reported.
                 self._issued[job.job_id] = issued.done
                 if self._wakeup is not None:
                     self._wakeup()
+            self._completions[job.direction].add(issued)
 
     def _report_issued(self, issued: IssuedJob, seconds: float, error: BaseException | None) -> None:
         self._issued.pop(issued.job.job_id, None)  # reported: get_finished says all there is
@@ -334,4 +336,5 @@ class CudaCopyEngine(CopyEngine):
                       "(not freed under them)", CLOSE_TIMEOUT_S / 2)
         for completions in self._completions.values():
             for issued in completions.take_all():
+                self._issued.pop(issued.job.job_id, None)
                 self._fail(issued.job, "closed", time.monotonic() - issued.start)

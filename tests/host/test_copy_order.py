@@ -71,23 +71,31 @@ class RecordingEngine(CpuCopyEngine):
 
 
 class RunAheadEngine(RecordingEngine):
-    """Reports each layer-group load issued at once, as the CUDA engine does when its copies are on
-    the stream, and holds the copies themselves until ``release`` is set; ``fail_layers`` makes
-    the copy of that layer range fail once released."""
+    """Reports each layer-group load issued as a worker takes it (on the loop thread, after the
+    withdrawn jobs were set aside), as the CUDA engine does once its copies are on the stream, and
+    holds the copies themselves until ``release`` is set; ``fail_layers`` makes the copy of that
+    layer range fail once released."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.release = threading.Event()
         self.fail_layers: tuple[int, int] | None = None
-        self.finished_ids: list[int] = []
+        self.finished_ids: list[int] = []  # copied (worker thread)
+        self.reported_ids: list[int] = []  # reported (loop thread)
         self._issued_now: list[tuple[int, Any]] = []
 
-    def submit(self, job: CopyJob) -> None:
-        super().submit(job)
-        if job.layers is not None and job.direction == "to_device":
-            self._issued_now.append((job.job_id, ("done", job.job_id)))
-            if self._wakeup is not None:
-                self._wakeup()
+    def _report(self, result: CopyResult) -> None:
+        self.reported_ids.append(result.job_id)
+        super()._report(result)
+
+    def _take_cancelled(self, jobs: list[CopyJob]) -> list[CopyJob]:
+        runnable = super()._take_cancelled(jobs)
+        for job in runnable:
+            if job.layers is not None and job.direction == "to_device":
+                self._issued_now.append((job.job_id, ("done", job.job_id)))
+                if self._wakeup is not None:
+                    self._wakeup()
+        return runnable
 
     def get_issued(self) -> list[tuple[int, Any]]:
         issued, self._issued_now = self._issued_now, []
@@ -95,7 +103,7 @@ class RunAheadEngine(RecordingEngine):
 
     def _copy_batch(self, batch: list[CopyJob]) -> list[tuple[int, float, Exception | None]]:
         if any(job.layers is not None for job in batch):
-            assert self.release.wait(10)
+            self.release.wait(10)  # set by the test (or its teardown); a failing test must not hang here
         outcomes = super()._copy_batch(batch)
         for i, job in enumerate(batch):
             if job.layers is not None and job.layers == self.fail_layers:
@@ -128,6 +136,8 @@ def running_ahead(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[RunAheadEngi
 
     monkeypatch.setattr(copy_factory, "make_copy_engine", make)
     yield made
+    for engine in made:
+        engine.release.set()
 
 
 @pytest.mark.anyio
@@ -170,6 +180,41 @@ async def test_a_group_whose_copy_fails_after_it_was_yielded_fails_the_block(
                     pass  # every group is yielded: all were issued
                 copies.release.set()
         assert (raised.value.group.start, raised.value.group.stop) == (0, 1)
+        assert engine.statistics()["0:primary"].pinned_slots == 0
+
+
+async def _until_reported(engine: Any, copies: RunAheadEngine, job_id: int) -> None:
+    with anyio.fail_after(10):
+        while job_id not in copies.reported_ids:
+            await anyio.sleep(0.005)
+    engine.copies.dispatch()  # handed to the load now, whether or not the drive task ran yet
+
+
+@pytest.mark.anyio
+async def test_a_late_failure_raises_at_the_next_step_and_never_masks_the_callers_error(
+        running_ahead: list[RunAheadEngine]) -> None:
+    blocks = list(range(len(TOKENS) // BLOCK))
+    async with kvtier.open(config(), geometry(), device_kv()) as engine:
+        (copies,) = running_ahead
+        await engine.store(TOKENS, blocks)
+        copies.fail_layers = (0, 1)
+        with pytest.raises(kvtier.LayerwiseLoadError) as raised:
+            async with engine.load_layerwise(TOKENS, blocks) as layers:
+                steps = aiter(layers)
+                await anext(steps)  # group 0, issued, still copying
+                first = [job.job_id for job in copies.jobs if job.layers == (0, 1)][-1]
+                copies.release.set()
+                await _until_reported(engine, copies, first)
+                await anext(steps)  # group 0's copy failed meanwhile: this step says so
+        assert (raised.value.group.start, raised.value.group.stop) == (0, 1)
+
+        copies.release.clear()
+        with pytest.raises(ValueError, match="the caller's own"):  # not replaced by the late failure
+            async with engine.load_layerwise(TOKENS, blocks) as layers:
+                async for _group in layers:
+                    pass
+                copies.release.set()
+                raise ValueError("the caller's own error")
         assert engine.statistics()["0:primary"].pinned_slots == 0
 
 
