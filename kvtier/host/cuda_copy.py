@@ -10,9 +10,10 @@ tensors as well, which is how they are tested without a GPU.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -144,6 +145,25 @@ def copy_staged(
     return plan.job_bytes(job), finish
 
 
+#: Most bytes of device scratch (and pinned staging) one gathered or staged copy uses: a larger
+#: job goes in pieces of whole chunks, so that a long load does not need a scratch as large as
+#: itself on a device the model has all but filled.
+SCRATCH_BYTES = 64 << 20
+
+
+def _pieces(plan: CopyPlan, job: CopyJob) -> Iterator[CopyJob]:
+    """``job`` as consecutive sub-jobs of whole chunks, each moving at most :data:`SCRATCH_BYTES`
+    of this part (at least one chunk each); ``job`` itself when it fits."""
+    per_chunk = max(1, plan.job_bytes(job) // max(1, len(job.slot_ids)))
+    n = max(1, SCRATCH_BYTES // per_chunk)
+    if len(job.slot_ids) <= n:
+        yield job
+        return
+    bpc = plan.bpc
+    for i in range(0, len(job.slot_ids), n):
+        yield dataclasses.replace(job, slot_ids=job.slot_ids[i : i + n], block_ids=job.block_ids[i * bpc : (i + n) * bpc])
+
+
 def copy_parts(
     plans: Sequence[CopyPlan], job: CopyJob, non_blocking: bool = False
 ) -> tuple[int, Callable[[], None] | None]:
@@ -154,15 +174,19 @@ def copy_parts(
     nbytes = 0
     finishes: list[Callable[[], None]] = []
     for plan in plans:
-        if plan.gathers(job):
-            nbytes += copy_gathered(plan, job, non_blocking=non_blocking)
-        elif plan.runs_contiguous(job):
+        if plan.runs_contiguous(job) and not plan.gathers(job):
             nbytes += copy_pairs(plan, job, non_blocking=non_blocking)
-        else:
-            moved, finish = copy_staged(plan, job, non_blocking=non_blocking)
-            nbytes += moved
-            if finish is not None:
-                finishes.append(finish)
+            continue
+        for piece in _pieces(plan, job):  # device scratch of bounded size, whatever the job's
+            if plan.gathers(piece):
+                nbytes += copy_gathered(plan, piece, non_blocking=non_blocking)
+            elif plan.runs_contiguous(piece):  # this piece's blocks make few runs: no gather needed
+                nbytes += copy_pairs(plan, piece, non_blocking=non_blocking)
+            else:
+                moved, finish = copy_staged(plan, piece, non_blocking=non_blocking)
+                nbytes += moved
+                if finish is not None:
+                    finishes.append(finish)
     if not finishes:
         return nbytes, None
     if len(finishes) == 1:

@@ -532,3 +532,46 @@ def test_staged_copies_move_the_same_bytes_as_page_copies(
                              for b in blocks[:bpc]])
         assert np.array_equal(chunk, dense.contiguous().view(torch.uint8).numpy().ravel())
     assert all(torch.equal(a, b) for a, b in zip(loaded_pages, loaded_staged))
+
+
+@pytest.mark.parametrize("cross_layer", [False, True], ids=["per_layer", "cross_layer"])
+@pytest.mark.parametrize("layers", [None, (1, 3)])
+def test_a_job_larger_than_the_scratch_goes_in_pieces_with_the_same_bytes(
+        cross_layer: bool, layers: tuple[int, int] | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA routines bound their device scratch (cuda_copy.SCRATCH_BYTES): a job of many
+    chunks is moved in pieces of whole chunks, and the slots and blocks get exactly the bytes of
+    one piece-less pass (the page copies), both ways."""
+    from kvtier.host import cuda_copy
+
+    geo = KVGeometry("test/pieces", num_layers=4, num_kv_heads=2, head_dim=8, dtype="float16", block_size=4)
+    bpc = 2
+    gen = torch.Generator().manual_seed(11)
+    layered = [torch.randn((24, 2, 4, 2, 8), generator=gen).half() for _ in range(4)]
+    source: Any = torch.stack(layered, dim=1).contiguous() if cross_layer else layered
+    blocks = [9, 2, 14, 5, 0, 7, 21, 3, 12, 18]  # five chunks of two blocks, scattered
+    chunk_bytes = geo.chunk_bytes(bpc) * ((layers[1] - layers[0]) if layers else 4) // 4
+    monkeypatch.setattr(cuda_copy, "SCRATCH_BYTES", 2 * chunk_bytes)  # pieces of two chunks: 2, 2, 1
+    outcomes = []
+    for piecewise in (False, True):
+        buffer = SlotBuffer(6, geo.slot_bytes(bpc), pin_memory=False)
+        target: Any = torch.zeros_like(source) if cross_layer else [torch.zeros_like(t) for t in source]
+        try:
+            store = CopyJob(1, "to_host", [5, 0, 3, 1, 4], blocks, layers=layers)
+            load = CopyJob(2, "to_device", [5, 0, 3, 1, 4], list(reversed(blocks)), layers=layers)
+            if piecewise:
+                plans = plan_copies(source, geo, bpc, buffer).groups[0]
+                assert len(list(cuda_copy._pieces(plans[0], store))) == 3
+                nbytes, finish = cuda_copy.copy_parts(plans, store)
+                if finish is not None:
+                    finish()
+                assert nbytes == 5 * chunk_bytes
+                assert cuda_copy.copy_parts(plan_copies(target, geo, bpc, buffer).groups[0], load)[0] == nbytes
+            else:
+                copy_pairs(single_plan(source, geo, bpc, buffer), store)
+                copy_pairs(single_plan(target, geo, bpc, buffer), load)
+            outcomes.append((buffer.array.copy(), [t.clone() for t in ([target] if cross_layer else target)]))
+        finally:
+            buffer.close()
+    (host_pages, loaded_pages), (host_pieces, loaded_pieces) = outcomes
+    assert np.array_equal(host_pages, host_pieces) and host_pieces.any()
+    assert all(torch.equal(a, b) for a, b in zip(loaded_pages, loaded_pieces))
