@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import pytest
@@ -112,29 +112,30 @@ class RunAheadEngine(RecordingEngine):
         return outcomes
 
 
-@pytest.fixture
-def recording(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[RecordingEngine]]:
-    made: list[RecordingEngine] = []
+E = TypeVar("E", bound=CpuCopyEngine)
 
-    def make(*args: Any, **kwargs: Any) -> RecordingEngine:
-        engine = RecordingEngine(*args, **kwargs)
+
+def _engines_made(monkeypatch: pytest.MonkeyPatch, kind: type[E]) -> list[E]:
+    """Every copy engine the engines opened from now on make is a ``kind``; the list of them."""
+    made: list[E] = []
+
+    def make(*args: Any, **kwargs: Any) -> E:
+        engine = kind(*args, **kwargs)
         made.append(engine)
         return engine
 
     monkeypatch.setattr(copy_factory, "make_copy_engine", make)
-    yield made
+    return made
+
+
+@pytest.fixture
+def recording(monkeypatch: pytest.MonkeyPatch) -> list[RecordingEngine]:
+    return _engines_made(monkeypatch, RecordingEngine)
 
 
 @pytest.fixture
 def running_ahead(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[RunAheadEngine]]:
-    made: list[RunAheadEngine] = []
-
-    def make(*args: Any, **kwargs: Any) -> RunAheadEngine:
-        engine = RunAheadEngine(*args, **kwargs)
-        made.append(engine)
-        return engine
-
-    monkeypatch.setattr(copy_factory, "make_copy_engine", make)
+    made = _engines_made(monkeypatch, RunAheadEngine)
     yield made
     for engine in made:
         engine.release.set()
