@@ -174,9 +174,6 @@ def copy_parts(
     nbytes = 0
     finishes: list[Callable[[], None]] = []
     for plan in plans:
-        if plan.runs_contiguous(job) and not plan.gathers(job):
-            nbytes += copy_pairs(plan, job, non_blocking=non_blocking)
-            continue
         for piece in _pieces(plan, job):  # device scratch of bounded size, whatever the job's
             if plan.gathers(piece):
                 nbytes += copy_gathered(plan, piece, non_blocking=non_blocking)
