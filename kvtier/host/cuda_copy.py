@@ -55,11 +55,11 @@ def copy_gathered(plan: CopyPlan, job: CopyJob, non_blocking: bool = False) -> i
     (``[chunks, bpc, layers, page]``, ``bpc`` the blocks one chunk of the group copies): per-layer
     tensors take one ``index_select`` per layer and a ``stack`` into the scratch for a store, one
     ``index_copy_`` per layer out of it for a load; a cross-layer tensor (blocks scattered in
-    many runs) one ``index_select`` or ``index_copy_`` in all. Between the scratch and each host slot there is then a single
-    contiguous DMA, instead of one small copy per page (``bpc × layers`` Python calls per chunk).
-    Device kernels are queued on the current stream (the copy stream), so the scratch is reused
-    only after them. Works on CPU tensors as well (how it is tested). Returns the bytes this rank
-    moves.
+    many runs) one ``index_select`` or ``index_copy_`` in all. Between the scratch and each host
+    slot there is then a single contiguous DMA, instead of one small copy per page (``bpc ×
+    layers`` Python calls per chunk). Device kernels are queued on the current stream (the copy
+    stream), so the scratch is reused only after them. Works on CPU tensors as well (how it is
+    tested). Returns the bytes this rank moves.
     """
     first, stop = plan.layer_range(job)
     blocks = torch.as_tensor(list(job.block_ids), dtype=torch.long)
