@@ -36,7 +36,18 @@ class Peer:
     def __init__(self, name: str, tiers: list[dict[str, Any]], *, env: dict[str, str] | None = None,
                  **config: Any) -> None:
         self.name = name
-        self.port = next((t["port"] for t in tiers if t["type"] == "p2p"), None)
+        for attempt in range(3):
+            self.port = next((t["port"] for t in tiers if t["type"] == "p2p"), None)
+            if self._start(tiers, env, config) or attempt == 2:
+                break
+            # free_port() gave a port that something else (an outgoing connection's ephemeral
+            # port) took before the peer bound it: another port, not a failed test.
+            tiers = [{**t, "port": free_port()} if t["type"] == "p2p" else t for t in tiers]
+        if self._ready.get("event") != "ready":
+            raise AssertionError(f"{self.name} did not start ({self._ready}); stderr:\n" + "".join(self.stderr[-40:]))
+
+    def _start(self, tiers: list[dict[str, Any]], env: dict[str, str] | None, config: dict[str, Any]) -> bool:
+        """Start the process; False only when it could not bind its port (it has exited then)."""
         self.proc = subprocess.Popen(
             [sys.executable, str(PEER), json.dumps({"tiers": tiers, **config})],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -50,10 +61,12 @@ class Peer:
         self._stderr_done = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
         threading.Thread(target=self._read_err, daemon=True).start()
-        ready = self._events.get(timeout=60)
-        if ready.get("event") != "ready":
-            self._stderr_done.wait(10)  # the process exited: let its last words arrive
-            raise AssertionError(f"{self.name} did not start ({ready}); stderr:\n" + "".join(self.stderr[-40:]))
+        self._ready = self._events.get(timeout=60)
+        if self._ready.get("event") == "ready":
+            return True
+        self._stderr_done.wait(10)  # the process exited: let its last words arrive
+        self.proc.wait(10)
+        return not any("Address already in use" in line for line in self.stderr)
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
