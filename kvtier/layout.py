@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError
-from kvtier.keys import split_offload_key
+from kvtier.keys import GROUP_BYTES, split_offload_key
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -405,11 +405,12 @@ class Namespace:
     @staticmethod
     def chunk_relpath(key: bytes) -> str:
         """``<h[0:3]>/<h[3:5]>_g<group>/<h>.bin`` for offload key ``key`` (``h`` = hash hex)."""
-        block_hash, group = split_offload_key(key)
-        if len(block_hash) < 3:
+        # split_offload_key, inline: this runs for every chunk loaded or stored.
+        if not isinstance(key, bytes) or len(key) < GROUP_BYTES + 3:
+            split_offload_key(key)  # raises for what is no offload key at all
             raise ValueError("a chunk hash needs at least 3 bytes to be sharded into directories")
-        h = block_hash.hex()
-        return f"{h[0:3]}/{h[3:5]}_g{group}/{h}.bin"
+        h = key[:-GROUP_BYTES].hex()
+        return f"{h[0:3]}/{h[3:5]}_g{int.from_bytes(key[-GROUP_BYTES:], 'big')}/{h}.bin"
 
     def chunk_path(self, key: bytes) -> str:
         """``<blocks_dir>/<chunk_relpath(key)>``."""

@@ -35,6 +35,7 @@ from kvtier.tiers.fs.modes import PRIVATE, Modes
 __all__ = [
     "UnsafeEntry",
     "open_file",
+    "try_opener",
     "open_dir",
     "open_or_make_dir",
     "lstat",
@@ -231,6 +232,40 @@ def open_file(dir_fd: int, relpath: str, flags: int, mode: int = 0o600, *, regul
         os.close(fd)
         raise
     return fd  # O_NONBLOCK changes nothing for a regular file's reads and writes
+
+
+def try_opener(flags: int) -> Callable[[int, str], int]:
+    """For a hot path: ``try_open(dir_fd, relpath)``, which opens like :func:`open_file` with
+    ``flags`` and ``regular_only=False`` and returns the descriptor, or -1 wherever
+    :func:`open_file` would raise (and always on a system without ``openat2``), without saying
+    why: the caller then calls :func:`open_file` to learn it.
+
+    Same flags, same resolution, same guarantees as :func:`open_file`; what it saves is the
+    exception machinery and the frames around the one ``openat2`` call (page-cache chunk loads
+    make it tens of thousands of times a second, under the interpreter lock). ``O_CREAT`` is
+    refused (``ValueError``): this opens existing files only.
+    """
+    if flags & os.O_CREAT:
+        raise ValueError("try_opener opens existing files: O_CREAT is open_file's")
+    quick = _openat2_state.get(("try", flags))
+    if quick is not None:
+        return quick
+    fn = _openat2_fn()
+    if fn is None:
+        def unavailable(dir_fd: int, relpath: str) -> int:
+            return -1
+        quick = unavailable
+    else:
+        syscall, nr = fn
+        how = ctypes.byref(_OpenHow(flags | _O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC, 0, _RESOLVE))
+        size = ctypes.sizeof(_OpenHow)
+
+        def try_open(dir_fd: int, relpath: str) -> int:
+            fd: int = syscall(nr, dir_fd, relpath.encode(), how, size)
+            return fd if fd >= 0 else -1
+        quick = try_open
+    _openat2_state[("try", flags)] = quick
+    return quick
 
 
 def open_dir(dir_fd: int, relpath: str, *, create: bool = False, modes: Modes = PRIVATE) -> int:

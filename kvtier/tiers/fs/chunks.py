@@ -31,6 +31,7 @@ import os
 import stat
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -58,6 +59,7 @@ __all__ = [
     "trailer_page",
     "read_chunk",
     "load_chunk",
+    "plain_loader",
     "CodedVerdict",
     "image_buffer",
     "ReadOutcome",
@@ -259,6 +261,10 @@ class ReadOutcome:
     trailer_page: bytes | None = None
 
 
+#: The flags :func:`_open_for_read` tries first, by ``o_direct``.
+_READ_FLAGS = {False: os.O_RDONLY | _O_NOATIME, True: os.O_RDONLY | _O_NOATIME | _O_DIRECT}
+
+
 def _open_for_read(dir_fd: int, relpath: str, o_direct: bool, *, regular_only: bool = True,
                    cached_only: bool = False) -> int:
     """Open chunk file ``relpath`` for reading: ``O_NOATIME`` where allowed, ``O_DIRECT`` if asked.
@@ -271,7 +277,7 @@ def _open_for_read(dir_fd: int, relpath: str, o_direct: bool, *, regular_only: b
     Raises :class:`UnsafeEntry` for anything but a regular file reached without links (see
     :func:`~kvtier.tiers.fs.beneath.open_file` for ``regular_only`` and ``cached_only``).
     """
-    flags = os.O_RDONLY | _O_NOATIME | (_O_DIRECT if o_direct else 0)
+    flags = _READ_FLAGS[o_direct]
     while True:
         try:
             return beneath.open_file(dir_fd, relpath, flags, regular_only=regular_only, cached_only=cached_only)
@@ -414,6 +420,39 @@ def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes
             # A file that shrank (or grew) while being read classifies by what was read, like read_chunk.
             return rejected("short" if n < slot_bytes + TRAILER_PAGE else "long")
     return _decode(codec, dst, n, chunk_identity, accept_unverified)
+
+
+PlainLoad = Callable[[int, str, memoryview, bytes], "Verdict | None"]
+
+
+def plain_loader(o_direct: bool) -> PlainLoad:
+    """The tier's load hot path for the common case: ``load(dir_fd, relpath, dst,
+    chunk_identity)`` returns :func:`load_chunk`'s verdict on a plain trailered chunk file (one
+    ``openat2``, one ``preadv`` of payload and trailer page, the trailer checked in place), or
+    ``None`` for anything else — a file it cannot open, of another size, or a read that failed
+    — which the caller then hands to :func:`load_chunk` (it opens and reads again, and says why).
+
+    Not for coded chunks (a tier with compression or encryption on) nor reads that may not
+    wait. Built once per job: each step saved here is run under the interpreter lock once per
+    chunk, where every worker and the event loop contend for it.
+    """
+    try_open = beneath.try_opener(_READ_FLAGS[o_direct])
+    preadv, close, page_size = os.preadv, os.close, TRAILER_PAGE
+
+    def load_plain(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes) -> Verdict | None:
+        fd = try_open(dir_fd, relpath)
+        if fd < 0:
+            return None
+        try:
+            n = preadv(fd, [dst, _scratch_pages()], 0)
+        except OSError:
+            return None
+        finally:
+            close(fd)
+        if n != len(dst) + page_size:
+            return None
+        return verify(dst, _scratch.page, chunk_identity)
+    return load_plain
 
 
 def _decode(codec: ChunkCodec, dst: memoryview, n: int, chunk_identity: bytes, accept_unverified: bool) -> CodedVerdict:

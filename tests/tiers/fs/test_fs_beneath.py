@@ -103,6 +103,34 @@ def test_escapes_are_refused(base_fd: int) -> None:
         beneath.open_file(base_fd, "../outside/secret.bin", os.O_RDONLY)
 
 
+def test_the_hot_path_opener_opens_what_open_file_opens_and_nothing_else(base: Path, base_fd: int,
+                                                                          resolution: str) -> None:
+    # try_opener: a descriptor or -1, never an exception; without openat2 it always declines
+    # (its caller then asks open_file, which resolves component by component).
+    try_open = beneath.try_opener(os.O_RDONLY)
+    fd = try_open(base_fd, "abc/de_g0/real.bin")
+    if resolution == "walk":
+        assert fd == -1
+        return
+    assert _read(fd) == b"real"
+    os.symlink(base.parent / "outside" / "secret.bin", base / "abc" / "de_g0" / "link.bin")
+    os.symlink(base.parent / "outside", base / "xyz")
+    (base / "fff").write_bytes(b"not a dir")
+    sock = socket.socket(socket.AF_UNIX)
+    try:
+        sock.bind(str(base / "abc" / "de_g0" / "sock.bin"))
+        for relpath in ("abc/de_g0/link.bin", "xyz/de_g0/real.bin", "fff/de_g0/x.bin", "../outside/secret.bin",
+                        "/etc/hostname", "abc/de_g0/none.bin", "abc/de_g0/sock.bin"):
+            assert try_open(base_fd, relpath) == -1, relpath
+    finally:
+        sock.close()
+
+
+def test_the_hot_path_opener_refuses_to_create(base_fd: int) -> None:
+    with pytest.raises(ValueError):
+        beneath.try_opener(os.O_RDONLY | os.O_CREAT)
+
+
 def test_open_dir_creates_missing_directories_beneath(base: Path, base_fd: int) -> None:
     fd = beneath.open_dir(base_fd, "new/sub", create=True)
     os.close(fd)

@@ -224,6 +224,36 @@ def test_a_file_of_another_owner_is_read_without_o_noatime(tree: int, monkeypatc
     assert [bool(f & os.O_NOATIME) for f in flags_seen] == [True, False]
 
 
+def test_the_plain_loader_verifies_trailered_chunks_and_leaves_everything_else_to_load_chunk(
+        tmp_path: Path, tree: int, o_direct: bool) -> None:
+    load = chunks.plain_loader(o_direct)
+    src = slot_filled_with(0x3D)
+    chunks.write_chunk(tree, "c.bin", src, trailer_page_of(src), o_direct=o_direct)
+    dst = slot_filled_with(0)
+    verdict = load(tree, "c.bin", dst, ME)
+    if not beneath.has_openat2():  # it declines everything; load_chunk reads the chunk
+        assert verdict is None
+        return
+    assert verdict is not None and verdict.verified and bytes(dst) == bytes(src)
+    # A plain chunk's trailer is judged as load_chunk judges it.
+    page = trailer_page_of(src)
+    (tmp_path / "flipped.bin").write_bytes(b"\x12" + bytes(src)[1:] + page)
+    other = identity(make_offload_key(hashlib.sha256(b"d").digest(), 0), hashlib.sha256(b"run").digest())
+    (tmp_path / "other.bin").write_bytes(bytes(src) + make_trailer_page(src, other))
+    for name, reason in (("flipped.bin", "checksum"), ("other.bin", "wrong_chunk")):
+        verdict = load(tree, name, slot_filled_with(0), ME)
+        assert verdict is not None and not verdict.ok and verdict.reason == reason
+    # Anything else is declined (None), for load_chunk to open, read and name again.
+    (tmp_path / "raw.bin").write_bytes(b"\x05" * SLOT)
+    (tmp_path / "short.bin").write_bytes(bytes(src))
+    (tmp_path / "long.bin").write_bytes(bytes(src) + page + page)
+    os.symlink(tmp_path / "c.bin", tmp_path / "link.bin")
+    (tmp_path / "dir.bin").mkdir()
+    os.mkfifo(tmp_path / "pipe.bin")
+    for name in ("raw.bin", "short.bin", "long.bin", "link.bin", "dir.bin", "pipe.bin", "none.bin"):
+        assert load(tree, name, slot_filled_with(0), ME) is None, name
+
+
 def test_load_chunk_raises_file_not_found_for_a_missing_file(tree: int) -> None:
     with pytest.raises(FileNotFoundError):
         chunks.load_chunk(tree, "none.bin", slot_filled_with(0), ME, o_direct=False)
