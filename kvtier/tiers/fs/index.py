@@ -186,7 +186,7 @@ class ChunkIndex:
                 n = len(key)
                 while True:
                     slot = table[i]
-                    if slot == _EMPTY or (klen[slot] == n and keys[slot * width : slot * width + n] == key):
+                    if slot == _EMPTY or (klen[slot] == n and keys.startswith(key, slot * width)):
                         break
                     i = (i + 1) & mask
                 if slot != _EMPTY:
@@ -534,15 +534,24 @@ class ChunkIndex:
             slot = table[i]
             if slot == _EMPTY:
                 return -1
-            if klen[slot] == len(key) and keys[slot * width : slot * width + len(key)] == key:
+            if klen[slot] == len(key) and keys.startswith(key, slot * width):  # no slice made
                 return i
             i = (i + 1) & mask
 
     def _find(self, key: bytes) -> int:
+        """Slot of ``key``, or -1. The probe of the current table is :meth:`_probe` inline: every
+        chunk a job moves is looked up once, on the event loop."""
         table = self._table
-        i = self._probe(table, key)
-        if i >= 0:
-            return table[i]
+        mask = len(table) - 1
+        i = hash(key) & mask
+        keys, klen, width, n = self._keys, self._klen, MAX_KEY_BYTES, len(key)
+        while True:  # ends: a table is at most 60% full
+            slot = table[i]
+            if slot == _EMPTY:
+                break
+            if klen[slot] == n and keys.startswith(key, slot * width):
+                return slot
+            i = (i + 1) & mask
         old = self._old
         if old is not None:
             i = self._probe(old, key)

@@ -679,7 +679,7 @@ class FileSystemTier(SecondaryTier):
         finally:
             # The common case, every chunk loaded and verified: unpinned and made the most recent
             # in one pass over the index (one lookup per chunk).
-            verified = results is not None and all(result is ACCEPTED_VERIFIED for result in results)
+            verified = results is not None and results.count(ACCEPTED_VERIFIED) == len(results)
             self.index.unpin_all(keys, touch_or_add=self._file_bytes if verified else None)
         outcomes: list[BaseException | None]
         if verified:
