@@ -638,7 +638,11 @@ def instrumented(clock: Clock) -> Iterator[None]:
         return ns
 
     swaps.append((chunks, "os", proxy(os, _os_stage)))
-    swaps.append((chunks, "beneath", proxy(chunks.beneath, _beneath_stage)))
+    beneath_proxy = proxy(chunks.beneath, _beneath_stage)
+    # The load fast path's opener is made once per job (beneath.try_opener): time what it makes.
+    try_opener = chunks.beneath.try_opener
+    beneath_proxy.try_opener = lambda flags: clock.wrap("containment/open", try_opener(flags))
+    swaps.append((chunks, "beneath", beneath_proxy))
     for name in ("make_trailer_page", "identity", "trailer_page_for", "write_trailer"):
         if hasattr(fs_tier_module, name):
             swaps.append((fs_tier_module, name, clock.wrap("trailer", getattr(fs_tier_module, name))))
