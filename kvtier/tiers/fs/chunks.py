@@ -334,7 +334,9 @@ def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes
                accept_unverified: bool = False, nowait: bool = False, codec: ChunkCodec | None = None) -> Verdict:
     """Read the chunk at ``relpath`` into ``dst`` (exactly one slot) and verify that it is chunk
     ``chunk_identity`` (:func:`kvtier.tiers.integrity.identity`) with intact bytes: the tier's
-    load hot path, :func:`read_chunk` plus :func:`kvtier.tiers.integrity.verify` in fewer steps.
+    load path for every kind of file, :func:`read_chunk` plus
+    :func:`kvtier.tiers.integrity.verify` in fewer steps (a plain trailered chunk, the common
+    case, is first tried by :func:`plain_loader`, which hands everything else here).
 
     Returns the verdict, rejections included: ``not_regular`` for a link or special file (never
     read, never waited on), ``short``/``long`` by what could be read, ``unverified`` for a
