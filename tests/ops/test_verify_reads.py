@@ -8,7 +8,7 @@ import errno
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,20 @@ def evict(path: Path, offset: int = 0, length: int = 0) -> None:
     _drop(path, offset, length)
 
 
+def would_block(path: Path, read: Callable[[], object], offset: int = 0, length: int = 0) -> None:
+    """:func:`evict` ``path`` (``length`` bytes from ``offset``) and check that ``read``, a read
+    that may not wait, raises ``BlockingIOError``. ``POSIX_FADV_DONTNEED`` does not always drop
+    every page at once (seen intermittently on a shared VM, with the same code before and after),
+    so an eviction that did not take is made again, a few times; a read that never blocks fails."""
+    for _ in range(5):
+        evict(path, offset, length)
+        try:
+            read()
+        except BlockingIOError:
+            return
+    pytest.fail(f"{path.name}: a read that may not wait read it each time its pages were dropped")
+
+
 def _drop(path: Path, offset: int, length: int) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -84,9 +98,8 @@ def test_a_cached_chunk_is_read_and_checked_without_waiting(tree: int, tmp_path:
 
 
 def test_an_evicted_chunk_would_block_then_reads_the_ordinary_way(tree: int, tmp_path: Path) -> None:
-    evict(write(tree, tmp_path))
-    with pytest.raises(BlockingIOError):
-        chunks.load_chunk(tree, "c.bin", slot_filled_with(0), ME, o_direct=False, nowait=True)
+    would_block(write(tree, tmp_path),
+                lambda: chunks.load_chunk(tree, "c.bin", slot_filled_with(0), ME, o_direct=False, nowait=True))
     assert chunks.load_chunk(tree, "c.bin", slot_filled_with(0), ME, o_direct=False).verified
     # That read brought it in: now it needs no waiting.
     assert chunks.load_chunk(tree, "c.bin", slot_filled_with(0), ME, o_direct=False, nowait=True).verified
@@ -95,9 +108,9 @@ def test_an_evicted_chunk_would_block_then_reads_the_ordinary_way(tree: int, tmp
 def test_a_chunk_whose_trailer_is_not_cached_would_block_never_passes_for_trailer_less(
         tree: int, tmp_path: Path) -> None:
     # The read that may not wait stops exactly at the slot's end, as a trailer-less file's would.
-    evict(write(tree, tmp_path), SLOT, 4096)
-    with pytest.raises(BlockingIOError):
-        chunks.load_chunk(tree, "c.bin", slot_filled_with(0), ME, o_direct=False, nowait=True)
+    would_block(write(tree, tmp_path),
+                lambda: chunks.load_chunk(tree, "c.bin", slot_filled_with(0), ME, o_direct=False, nowait=True),
+                SLOT, 4096)
 
 
 def test_a_long_chunk_whose_end_is_not_cached_would_block_never_passes_for_a_chunk(
@@ -105,17 +118,17 @@ def test_a_long_chunk_whose_end_is_not_cached_would_block_never_passes_for_a_chu
     path = write(tree, tmp_path)
     with open(path, "ab") as f:
         f.write(bytes(3 * 4096))  # a valid chunk with bytes after it: "long" to an ordinary read
-    evict(path, SLOT + 4096, 0)  # the read that may not wait stops right after the trailer
-    with pytest.raises(BlockingIOError):
-        chunks.load_chunk(tree, "c.bin", slot_filled_with(0), ME, o_direct=False, nowait=True)
+    would_block(path,  # the read that may not wait stops right after the trailer
+                lambda: chunks.load_chunk(tree, "c.bin", slot_filled_with(0), ME, o_direct=False, nowait=True),
+                SLOT + 4096, 0)
     assert chunks.load_chunk(tree, "c.bin", slot_filled_with(0), ME, o_direct=False).reason == "long"
 
 
 def test_a_partly_cached_chunk_would_block_never_passes_for_short(tree: int, tmp_path: Path) -> None:
     path = write(tree, tmp_path)
-    evict(path, 4096, 0)  # everything but the first page
-    with pytest.raises(BlockingIOError):
-        chunks.load_chunk(tree, "c.bin", slot_filled_with(0), ME, o_direct=False, nowait=True)
+    would_block(path,  # everything but the first page
+                lambda: chunks.load_chunk(tree, "c.bin", slot_filled_with(0), ME, o_direct=False, nowait=True),
+                4096, 0)
 
 
 def test_a_cached_trailer_less_chunk_is_unverified_without_waiting(tree: int, tmp_path: Path) -> None:
@@ -130,9 +143,8 @@ def test_a_short_chunk_is_short_without_waiting_when_all_of_it_is_cached(tree: i
     path = tmp_path / "short.bin"
     path.write_bytes(bytes(SLOT // 2))
     assert chunks.load_chunk(tree, "short.bin", slot_filled_with(0), ME, o_direct=False, nowait=True).reason == "short"
-    evict(path)
-    with pytest.raises(BlockingIOError):
-        chunks.load_chunk(tree, "short.bin", slot_filled_with(0), ME, o_direct=False, nowait=True)
+    would_block(path,
+                lambda: chunks.load_chunk(tree, "short.bin", slot_filled_with(0), ME, o_direct=False, nowait=True))
     assert chunks.load_chunk(tree, "short.bin", slot_filled_with(0), ME, o_direct=False).reason == "short"
 
 
@@ -343,12 +355,16 @@ def test_verify_finds_the_same_in_an_evicted_tree_as_in_a_cached_one(tmp_path: P
     handed_over: list[Any] = []
     real = Checker._hand_over
     monkeypatch.setattr(Checker, "_hand_over", lambda self, item: (handed_over.append(item), real(self, item)))
-    for i in range(N):
-        if chunk(tree, i).is_file() and not chunk(tree, i).is_symlink():
-            evict(chunk(tree, i))
-    status_cold, cold = cli_json(run_verify_cli, str(root), "--workers", workers, "--io-depth", "4")
-    assert status == status_cold == 1 and cold["io_depth"] == 4
-    assert _same_findings(cold) == _same_findings(cached)
+    for _ in range(3):  # evictions that did not all take are made again (see would_block)
+        handed_over.clear()
+        for i in range(N):
+            if chunk(tree, i).is_file() and not chunk(tree, i).is_symlink():
+                evict(chunk(tree, i))
+        status_cold, cold = cli_json(run_verify_cli, str(root), "--workers", workers, "--io-depth", "4")
+        assert status == status_cold == 1 and cold["io_depth"] == 4
+        assert _same_findings(cold) == _same_findings(cached)
+        if workers != "1" or len(handed_over) >= N - 3:
+            break
     if workers == "1":  # read in this process: the evicted files went to the reader threads
         assert len(handed_over) >= N - 3
 
