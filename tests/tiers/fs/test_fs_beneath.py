@@ -126,7 +126,7 @@ def test_the_hot_path_opener_opens_what_open_file_opens_and_nothing_else(base: P
         sock.close()
 
 
-def test_the_hot_path_opener_refuses_to_create(base_fd: int) -> None:
+def test_the_hot_path_opener_refuses_to_create() -> None:
     with pytest.raises(ValueError):
         beneath.try_opener(os.O_RDONLY | os.O_CREAT)
 
