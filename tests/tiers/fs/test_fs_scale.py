@@ -268,7 +268,9 @@ async def test_the_default_interval_stretches_so_a_re_sync_costs_at_most_5_perce
         tier.sync.pace(3.0)  # 3 s of CPU per pass: 30 s would cost 10% of a core
         assert tier.rescan_interval == pytest.approx(3.0 / sync._RESCAN_CPU_SHARE)
         assert tier.rescan_interval >= 60.0
-        assert metric(tier, "fs_scan_passes")[()] == 1  # the start-up scan
+        # The start-up scan, and at most the first re-sync: on an empty tree it has nothing to
+        # spread over its interval and may end at once; the next one waits out the interval.
+        assert metric(tier, "fs_scan_passes")[()] in (1, 2)
     fixed = make_tier(tmp_path, host, rescan_interval_s=10.0)  # an explicit interval is kept
     async with running(fixed):
         fixed.sync.pace(3.0)
