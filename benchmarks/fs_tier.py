@@ -647,6 +647,8 @@ def instrumented(clock: Clock) -> Iterator[None]:
         if hasattr(fs_tier_module, name):
             swaps.append((fs_tier_module, name, clock.wrap("trailer", getattr(fs_tier_module, name))))
     swaps.append((chunks, "verify", clock.wrap("trailer", chunks.verify)))
+    # A load slice's trailers are checked against these together (made once per slice).
+    swaps.append((chunks, "expected_heads", clock.wrap("trailer", chunks.expected_heads)))
     # The checksum, timed inside the trailer code that computes it (verify, write_trailer).
     swaps.append((integrity, "_xxh3_64", clock.wrap("checksum", integrity._xxh3_64)))
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in swaps]
@@ -708,7 +710,7 @@ async def profile_round(root: Path, host: SlotBuffer, geometry: Any, args: argpa
 
     with forced_buffered(buffered), instrumented(clock):
         # The tier's per-chunk worker functions, timed whole (the glue is what the stages leave).
-        worker_fns = {name: getattr(fs_tier_module, name) for name in ("_store", "_load_verified")}
+        worker_fns = {name: getattr(fs_tier_module, name) for name in ("_store", "_load_slice")}
         for name, fn in worker_fns.items():
             setattr(fs_tier_module, name, clock.wrap("worker", fn))
         try:

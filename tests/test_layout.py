@@ -217,6 +217,25 @@ def test_key_from_relpath_inverts_chunk_relpath(h: bytes, group: int) -> None:
     assert key_from_relpath(Namespace.chunk_relpath(key)) == key
 
 
+@settings(max_examples=60, deadline=None)
+@given(hashes=st.lists(st.binary(min_size=3, max_size=60), max_size=8), lengths_vary=st.booleans(),
+       groups=st.lists(st.integers(0, 2**32 - 1), min_size=1, max_size=2))
+def test_chunk_relpaths_are_chunk_relpath_encoded(hashes: list[bytes], lengths_vary: bool, groups: list[int]) -> None:
+    width = max((len(h) for h in hashes), default=0)
+    keys = [make_offload_key(h if lengths_vary else h.ljust(width, b"\0"), groups[i % len(groups)])
+            for i, h in enumerate(hashes)]
+    assert Namespace.chunk_relpaths(keys) == [Namespace.chunk_relpath(key).encode() for key in keys]
+
+
+@pytest.mark.parametrize("keys", [[b"abcd"], [make_offload_key(b"ab")], [make_offload_key(bytes(32)), "x" * 36],
+                                  [bytearray(make_offload_key(bytes(32)))]])
+def test_chunk_relpaths_refuse_what_chunk_relpath_refuses(keys: list[bytes]) -> None:
+    with pytest.raises((ValueError, TypeError)):
+        Namespace.chunk_relpath(keys[-1])
+    with pytest.raises((ValueError, TypeError)):
+        Namespace.chunk_relpaths(keys)
+
+
 @pytest.mark.parametrize(
     "relpath",
     [

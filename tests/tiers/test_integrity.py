@@ -184,3 +184,19 @@ def test_verify_reads_memoryviews_like_bytes() -> None:
     page = integrity.make_trailer_page(payload, ME)
     assert integrity.checksum(memoryview(payload)) == xxh3_64(payload)
     assert integrity.verify(memoryview(payload), memoryview(bytearray(page)), ME).verified
+
+
+@pytest.mark.parametrize("lengths", [[36] * 5, [5, 36, 64, 7], [64, 64], [36]])
+def test_expected_heads_are_each_trailers_bytes_before_its_checksum(lengths: list[int]) -> None:
+    keys = [hashlib.sha256(bytes([i])).digest()[: n - 4].ljust(n - 4, b"k") + bytes([0, 0, 0, i])
+            for i, n in enumerate(lengths)]
+    payload = _payload()
+    heads = integrity.expected_heads(keys, RUN, len(payload))
+    assert heads == b"".join(documented_trailer_page(payload, RUN, key)[-160:][: integrity.HEAD_SIZE] for key in keys)
+    assert integrity.expected_heads([], RUN, len(payload)) == b""
+
+
+@pytest.mark.parametrize("keys, run", [([b"x" * 65] * 2, RUN), ([b"x" * 36, b"y" * 65], RUN), ([KEY], b"short")])
+def test_expected_heads_refuse_what_identity_refuses(keys: list[bytes], run: bytes) -> None:
+    with pytest.raises(ValueError):
+        integrity.expected_heads(keys, run, 4096)

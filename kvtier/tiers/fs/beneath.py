@@ -234,11 +234,12 @@ def open_file(dir_fd: int, relpath: str, flags: int, mode: int = 0o600, *, regul
     return fd  # O_NONBLOCK changes nothing for a regular file's reads and writes
 
 
-def try_opener(flags: int) -> Callable[[int, str], int]:
-    """For a hot path: ``try_open(dir_fd, relpath)``, which opens like :func:`open_file` with
-    ``flags`` and ``regular_only=False`` and returns the descriptor, or -1 wherever
-    :func:`open_file` would raise (and always on a system without ``openat2``), without saying
-    why: the caller then calls :func:`open_file` to learn it.
+def try_opener(flags: int) -> Callable[[int, bytes], int]:
+    """For a hot path: ``try_open(dir_fd, relpath)``, with ``relpath`` as bytes (the path
+    :func:`open_file` takes, encoded), which opens like :func:`open_file` with ``flags`` and
+    ``regular_only=False`` and returns the descriptor, or -1 wherever :func:`open_file` would
+    raise (and always on a system without ``openat2``), without saying why: the caller then
+    calls :func:`open_file` to learn it.
 
     Same flags, same resolution, same guarantees as :func:`open_file`; what it saves is the
     exception machinery and the frames around the one ``openat2`` call (page-cache chunk loads
@@ -252,7 +253,9 @@ def try_opener(flags: int) -> Callable[[int, str], int]:
         return quick
     fn = _openat2_fn()
     if fn is None:
-        def unavailable(dir_fd: int, relpath: str) -> int:
+        def unavailable(dir_fd: int, relpath: bytes) -> int:
+            if type(relpath) is not bytes:
+                raise TypeError(f"try_open takes a bytes path, not {type(relpath).__name__}")
             return -1
         quick = unavailable
     else:
@@ -260,8 +263,10 @@ def try_opener(flags: int) -> Callable[[int, str], int]:
         how = ctypes.byref(_OpenHow(flags | _O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC, 0, _RESOLVE))
         size = ctypes.sizeof(_OpenHow)
 
-        def try_open(dir_fd: int, relpath: str) -> int:
-            fd: int = syscall(nr, dir_fd, relpath.encode(), how, size)
+        def try_open(dir_fd: int, relpath: bytes) -> int:
+            if type(relpath) is not bytes:  # ctypes would pass a str as wide characters
+                raise TypeError(f"try_open takes a bytes path, not {type(relpath).__name__}")
+            fd: int = syscall(nr, dir_fd, relpath, how, size)
             return fd if fd >= 0 else -1
         quick = try_open
     _openat2_state[("try", flags)] = quick

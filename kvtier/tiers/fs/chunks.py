@@ -24,6 +24,7 @@ makes get exactly the modes given (owner-only by default) whatever the umask.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import errno
 import mmap
@@ -31,20 +32,26 @@ import os
 import stat
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvtier.layout import Namespace
 from kvtier.tiers.fs import beneath, tree
 from kvtier.tiers.fs.beneath import UnsafeEntry
 from kvtier.tiers.fs.modes import PRIVATE, Modes
 from kvtier.tiers.integrity import (
+    HEAD_SIZE,
+    IDENTITY_SIZE,
     MAGIC,
     TAIL_SIZE,
     TRAILER_PAGE,
+    TRAILER_SIZE,
     SizeClass,
     Verdict,
+    checksum,
     classify_size,
+    expected_heads,
     rejected,
     verify,
 )
@@ -59,7 +66,7 @@ __all__ = [
     "trailer_page",
     "read_chunk",
     "load_chunk",
-    "plain_loader",
+    "slice_loader",
     "CodedVerdict",
     "image_buffer",
     "ReadOutcome",
@@ -336,7 +343,7 @@ def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes
     ``chunk_identity`` (:func:`kvtier.tiers.integrity.identity`) with intact bytes: the tier's
     load path for every kind of file, :func:`read_chunk` plus
     :func:`kvtier.tiers.integrity.verify` in fewer steps (a plain trailered chunk, the common
-    case, is first tried by :func:`plain_loader`, which hands everything else here).
+    case, is first tried by :func:`slice_loader`, which hands everything else here).
 
     Returns the verdict, rejections included: ``not_regular`` for a link or special file (never
     read, never waited on), ``short``/``long`` by what could be read, ``unverified`` for a
@@ -424,37 +431,134 @@ def load_chunk(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes
     return _decode(codec, dst, n, chunk_identity, accept_unverified)
 
 
-PlainLoad = Callable[[int, str, memoryview, bytes], "Verdict | None"]
+#: How many chunks a :func:`slice_loader` reads before it checks their trailers together.
+_SLICE_ROWS = 64
 
 
-def plain_loader(o_direct: bool) -> PlainLoad:
-    """The tier's load hot path for the common case: ``load(dir_fd, relpath, dst,
-    chunk_identity)`` returns :func:`load_chunk`'s verdict on a plain trailered chunk file (one
-    ``openat2``, one ``preadv`` of payload and trailer page, the trailer checked in place), or
-    ``None`` for anything else — a file it cannot open, of another size, or a read that failed
-    — which the caller then hands to :func:`load_chunk` (it opens and reads again, and says why).
+class _SliceScratch:
+    """One thread's landing places for the trailers of up to :data:`_SLICE_ROWS` chunks read
+    together by a :func:`slice_loader`: their heads and checksums end up in row order in two
+    arrays, so the whole slice is checked with two comparisons. Small (a pool's threads live as
+    long as their tier, and each makes one on its first load): direct reads' page rows are made
+    on the first direct read."""
+
+    def __init__(self) -> None:
+        rows = _SLICE_ROWS
+        # A spare page, page aligned (an anonymous mapping), after the trailer: it catches a file
+        # longer than a chunk. A buffered read also sends what comes before the trailer and its
+        # reserved end there, and the head and the checksum to their rows.
+        self.spare_mapping = mmap.mmap(-1, TRAILER_PAGE)
+        self.spare = memoryview(self.spare_mapping)
+        self.before = self.spare[: TRAILER_PAGE - TRAILER_SIZE]
+        self.reserved = self.spare[: TAIL_SIZE - (HEAD_SIZE - IDENTITY_SIZE) - 8]
+        self.heads = bytearray(rows * HEAD_SIZE)
+        heads = memoryview(self.heads)
+        self.head_rows = [heads[i * HEAD_SIZE : (i + 1) * HEAD_SIZE] for i in range(rows)]
+        self.digests = array.array("Q", bytes(8 * rows))
+        digests = memoryview(self.digests).cast("B")
+        self.digest_rows = [digests[8 * i : 8 * (i + 1)] for i in range(rows)]
+        self._pages: list[memoryview] | None = None
+
+    @property
+    def pages(self) -> list[memoryview]:
+        """Page-aligned rows for direct reads, which land each chunk's whole trailer page."""
+        if self._pages is None:
+            self.pages_mapping = mmap.mmap(-1, _SLICE_ROWS * TRAILER_PAGE)
+            whole = memoryview(self.pages_mapping)
+            self._pages = [whole[i * TRAILER_PAGE : (i + 1) * TRAILER_PAGE] for i in range(_SLICE_ROWS)]
+        return self._pages
+
+
+def _slice_scratch() -> _SliceScratch:
+    scratch: _SliceScratch | None = getattr(_scratch, "slices", None)
+    if scratch is None:
+        scratch = _scratch.slices = _SliceScratch()
+    return scratch
+
+
+SliceLoad = Callable[[int, Sequence[bytes], Sequence[memoryview]], "list[bool]"]
+
+
+def slice_loader(o_direct: bool, run_fingerprint: bytes) -> SliceLoad:
+    """The tier's load hot path for the common case: ``load(dir_fd, keys, dsts)`` reads chunk
+    ``keys[i]`` of the run ``run_fingerprint`` names into ``dsts[i]`` (one slot each) and says,
+    per chunk, whether it is a plain trailered chunk file that verified as that chunk: what
+    :func:`load_chunk` would accept as ``ACCEPTED_VERIFIED``. Every ``False`` (a file it cannot
+    open, of another size, a read that failed, any trailer or checksum mismatch) is the caller's
+    to hand to :func:`load_chunk`, which opens and reads again and says why; the slot holds
+    whatever was read meanwhile.
+
+    Per chunk only the system calls and the checksum run: one ``openat2`` (as
+    :func:`~kvtier.tiers.fs.beneath.open_file`, through
+    :func:`~kvtier.tiers.fs.beneath.try_opener`), one ``preadv`` that lands the payload in the
+    slot and the trailer's head and checksum in this thread's rows (:class:`_SliceScratch`), and
+    xxh3-64 of the slot. The paths are made for the whole slice at once
+    (:meth:`~kvtier.layout.Namespace.chunk_relpaths`) and the trailers checked together
+    against :func:`~kvtier.tiers.integrity.expected_heads`: at page-cache speeds every bytecode a
+    worker runs per chunk holds the interpreter lock that its peers and the event loop wait for,
+    and costs several times its own length in throughput.
 
     Not for coded chunks (a tier with compression or encryption on) nor reads that may not
-    wait. Built once per job: each step saved here is run under the interpreter lock once per
-    chunk, where every worker and the event loop contend for it.
+    wait. A ``ValueError`` for a key that is no offload key (as :func:`load_chunk`'s caller
+    would get).
     """
     try_open = beneath.try_opener(_READ_FLAGS[o_direct])
-    preadv, close, page_size = os.preadv, os.close, TRAILER_PAGE
+    preadv, close, digest_of, relpaths_of = os.preadv, os.close, checksum, Namespace.chunk_relpaths
+    big_endian = sys.byteorder == "big"  # the trailer's checksum is little-endian
 
-    def load_plain(dir_fd: int, relpath: str, dst: memoryview, chunk_identity: bytes) -> Verdict | None:
-        fd = try_open(dir_fd, relpath)
-        if fd < 0:
-            return None
-        try:
-            n = preadv(fd, [dst, _scratch_pages()], 0)
-        except OSError:
-            return None
-        finally:
-            close(fd)
-        if n != len(dst) + page_size:
-            return None
-        return verify(dst, _scratch.page, chunk_identity)
-    return load_plain
+    def load_rows(dir_fd: int, keys: Sequence[bytes], dsts: Sequence[memoryview]) -> list[bool]:
+        n = len(keys)
+        slot_bytes = len(dsts[0])
+        if set(map(len, dsts)) != {slot_bytes}:
+            return [False] * n
+        relpaths = relpaths_of(keys)
+        expected = expected_heads(keys, run_fingerprint, slot_bytes)
+        scratch = _slice_scratch()
+        spare, before, reserved = scratch.spare, scratch.before, scratch.reserved
+        head_rows, digest_rows = scratch.head_rows, scratch.digest_rows
+        pages = scratch.pages if o_direct else []
+        sizes = [0] * n
+        digests = [0] * n
+        for i in range(n):
+            fd = try_open(dir_fd, relpaths[i])
+            if fd < 0:
+                continue
+            dst = dsts[i]
+            try:
+                if o_direct:  # page-aligned buffers only
+                    sizes[i] = preadv(fd, [dst, pages[i], spare], 0)
+                else:
+                    sizes[i] = preadv(fd, [dst, before, head_rows[i], digest_rows[i], reserved, spare], 0)
+                digests[i] = digest_of(dst)
+            except OSError:
+                pass
+            finally:
+                close(fd)
+        if o_direct:
+            for i in range(n):
+                head_rows[i][:] = pages[i][TRAILER_PAGE - TRAILER_SIZE : TRAILER_PAGE - TRAILER_SIZE + HEAD_SIZE]
+                digest_rows[i][:] = pages[i][TRAILER_PAGE - TRAILER_SIZE + HEAD_SIZE : TRAILER_PAGE - 8]
+        stored = scratch.digests[:n]
+        if big_endian:
+            stored.byteswap()
+        heads = scratch.heads
+        size = slot_bytes + TRAILER_PAGE
+        if sizes.count(size) == n and stored.tolist() == digests and heads[: n * HEAD_SIZE] == expected:
+            return [True] * n
+        return [sizes[i] == size and stored[i] == digests[i]
+                and heads[i * HEAD_SIZE : (i + 1) * HEAD_SIZE] == expected[i * HEAD_SIZE : (i + 1) * HEAD_SIZE]
+                for i in range(n)]
+
+    def load_slice(dir_fd: int, keys: Sequence[bytes], dsts: Sequence[memoryview]) -> list[bool]:
+        if len(keys) != len(dsts):
+            raise ValueError(f"{len(keys)} keys for {len(dsts)} slots")
+        if len(keys) <= _SLICE_ROWS:
+            return load_rows(dir_fd, keys, dsts) if keys else []
+        verified: list[bool] = []
+        for start in range(0, len(keys), _SLICE_ROWS):
+            verified += load_rows(dir_fd, keys[start : start + _SLICE_ROWS], dsts[start : start + _SLICE_ROWS])
+        return verified
+    return load_slice
 
 
 def _decode(codec: ChunkCodec, dst: memoryview, n: int, chunk_identity: bytes, accept_unverified: bool) -> CodedVerdict:

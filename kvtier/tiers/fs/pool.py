@@ -14,6 +14,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Generic, TypeVar
 
 import anyio
@@ -24,6 +25,7 @@ import anyio.to_thread
 __all__ = ["IOQueue", "DualQueuePool", "PoolStatistics", "usable_cpus"]
 
 T = TypeVar("T")
+A = TypeVar("A")
 
 
 class IOQueue(enum.Enum):
@@ -195,23 +197,35 @@ class DualQueuePool:
 
         Returns one result per call, co-indexed: the value ``fn`` returned, or the exception it
         raised (a failing call does not stop the others; ``fn`` must not *return* exceptions).
-        Calls are queued in :attr:`batch_slices` slices of consecutive calls, each run by one
-        worker; the caller is woken ONCE, when the last slice finished.
+        Slices, the single wake-up, cancellation and closing as in :meth:`run_slices`.
+        """
+        return await self.run_slices(queue, partial(_call_each, fn), arg_tuples)
+
+    async def run_slices(self, queue: IOQueue, fn: Callable[[Sequence[A]], Sequence[T]],
+                         items: Sequence[A]) -> list[T | BaseException]:
+        """Run ``fn(part)`` for consecutive parts of ``items`` in parallel across workers: ``fn``
+        takes a slice of items and returns one result per item, co-indexed.
+
+        Returns one result per item: what ``fn`` returned for it, or the exception that ended
+        its slice (``fn`` raising, or returning a result count other than the slice's, fails
+        every item of that slice only). ``items`` are cut into :attr:`batch_slices` slices of
+        consecutive items, each run by one worker; the caller is woken ONCE, when the last slice
+        finished.
         Cancellation as in :meth:`run`: queued slices are withdrawn and never run, running ones
         are waited for (shielded), then the cancellation propagates — afterwards no thread
-        touches any ``args``.
+        touches any item.
         Raises ``anyio.ClosedResourceError`` after :meth:`aclose`.
         """
-        if not arg_tuples:
+        if not items:
             return []
         # Slices, not single calls: one lock/wake-up/result per slice rather than per chunk (a
         # page-cache read of a chunk costs about as much as a hand-off). As many slices as CPU
         # cores by default: page-cache copies and checksums are CPU work, so more threads on one
         # batch than cores only add switching.
-        size = max(1, -(-len(arg_tuples) // self.batch_slices))
-        slices = [arg_tuples[i : i + size] for i in range(0, len(arg_tuples), size)]
+        size = max(1, -(-len(items) // self.batch_slices))
+        slices = [items[i : i + size] for i in range(0, len(items), size)]
         batch = _Batch(len(slices))
-        tasks: list[_Task[list[T | Exception]]] = [_Task(_call_each, (fn, part), batch) for part in slices]
+        tasks: list[_Task[Sequence[T]]] = [_Task(fn, (part,), batch) for part in slices]
         with self._cond:
             if self._stopping or not self._threads:
                 raise anyio.ClosedResourceError("I/O pool is not running")
@@ -238,11 +252,15 @@ class DualQueuePool:
             raise
         results: list[T | BaseException] = []
         for task, part in zip(tasks, slices):
-            if task.error is not None:  # the slice never ran (pool closed): every call failed
-                results.extend([task.error] * len(part))
-            else:
+            error = task.error
+            if error is None:
                 assert task.result is not None
-                results.extend(task.result)
+                if len(task.result) == len(part):
+                    results.extend(task.result)
+                    continue
+                error = ValueError(f"{getattr(fn, '__name__', fn)!r} returned {len(task.result)} results "
+                                   f"for {len(part)} items")
+            results.extend([error] * len(part))  # the slice never ran (pool closed), or it failed
         return results
 
     def statistics(self) -> PoolStatistics:

@@ -132,7 +132,7 @@ _LEFT_IN_PLACE = frozenset({"unverified", "no_codec"})
 
 
 def _load_verified(dir_fd: int, fingerprint: bytes, o_direct: bool, accept_unverified: bool, codec: ChunkCodec,
-                   plain: chunks.PlainLoad | None, key: bytes, dst: memoryview) -> Verdict:
+                   key: bytes, dst: memoryview) -> Verdict:
     """Read chunk ``key`` into ``dst`` and verify it is that chunk of this run, intact (a coded
     file is decoded by ``codec``: the verdict is then a :class:`~kvtier.tiers.fs.chunks.CodedVerdict`
     with the file's size).
@@ -141,16 +141,10 @@ def _load_verified(dir_fd: int, fingerprint: bytes, o_direct: bool, accept_unver
     ``unverified`` (it may be another program's, such as vLLM's) and a compressed one this process
     cannot decode (``no_codec``: ``zstandard`` missing here, not in the processes that wrote it),
     which are left alone.
-
-    ``plain`` (:func:`~kvtier.tiers.fs.chunks.plain_loader`, when the tier neither compresses
-    nor encrypts) takes the common case in fewer steps; what it declines goes the general way.
     """
     relpath = Namespace.chunk_relpath(key)
-    chunk_identity = identity(key, fingerprint)
-    verdict = None if plain is None else plain(dir_fd, relpath, dst, chunk_identity)
-    if verdict is None:
-        verdict = chunks.load_chunk(dir_fd, relpath, dst, chunk_identity, o_direct=o_direct,
-                                   accept_unverified=accept_unverified, codec=codec)
+    verdict = chunks.load_chunk(dir_fd, relpath, dst, identity(key, fingerprint), o_direct=o_direct,
+                                accept_unverified=accept_unverified, codec=codec)
     if not verdict.ok:
         # Defence in depth: the manager frees the slot on failure, but never leave bytes that
         # failed verification where they could be mistaken for a chunk.
@@ -161,6 +155,35 @@ def _load_verified(dir_fd: int, fingerprint: bytes, o_direct: bool, accept_unver
             except OSError as exc:
                 logger.warning("could not remove rejected chunk file %s: %s", relpath, exc)
     return verdict
+
+
+def _load_slice(dir_fd: int, fingerprint: bytes, o_direct: bool, accept_unverified: bool, codec: ChunkCodec,
+                fast: chunks.SliceLoad | None, items: Sequence[tuple[bytes, memoryview]]) -> list[Verdict | Exception]:
+    """:func:`_load_verified` for each ``(key, dst)`` of ``items``: its verdict, or the exception
+    it raised. ``fast`` (:func:`~kvtier.tiers.fs.chunks.slice_loader`, when the tier neither
+    compresses nor encrypts) takes the common case for the whole slice first; each chunk it
+    does not vouch for goes the general way, and a slot whose chunk then fails holds no bytes
+    from that first read."""
+    verified: list[bool] | None = None
+    if fast is not None:
+        try:
+            verified = fast(dir_fd, [key for key, _ in items], [dst for _, dst in items])
+        except ValueError:  # a key that is no offload key: each chunk fails on its own below
+            verified = None
+        if verified is not None and verified.count(True) == len(items):
+            return [ACCEPTED_VERIFIED] * len(items)
+    results: list[Verdict | Exception] = []
+    for i, (key, dst) in enumerate(items):
+        if verified is not None and verified[i]:
+            results.append(ACCEPTED_VERIFIED)
+            continue
+        try:
+            results.append(_load_verified(dir_fd, fingerprint, o_direct, accept_unverified, codec, key, dst))
+        except Exception as exc:  # noqa: BLE001 - reported per chunk to the awaiting tier
+            if fast is not None:
+                dst[:] = bytes(len(dst))
+            results.append(exc)
+    return results
 
 
 class _Repaired(int):
@@ -670,11 +693,11 @@ class FileSystemTier(SecondaryTier):
         self.index.pin_all(keys)
         results: list[Verdict | BaseException] | None = None
         try:
-            results = await self._pool.run_batch(
+            fingerprint = self.namespace.fingerprint
+            results = await self._pool.run_slices(
                 IOQueue.READ,
-                partial(_load_verified, self._dir_fd, self.namespace.fingerprint, self.o_direct,
-                        self.accept_unverified_chunks, self.codec,
-                        None if self.codec.active else chunks.plain_loader(self.o_direct)),
+                partial(_load_slice, self._dir_fd, fingerprint, self.o_direct, self.accept_unverified_chunks,
+                        self.codec, None if self.codec.active else chunks.slice_loader(self.o_direct, fingerprint)),
                 items)
         finally:
             # The common case, every chunk loaded and verified: unpinned and made the most recent

@@ -14,6 +14,7 @@ import pytest
 from chunk_files import ME, SLOT, slot_filled_with, trailer_page_of
 
 from kvtier.keys import make_offload_key
+from kvtier.layout import Namespace
 from kvtier.tiers.fs import beneath, chunks
 from kvtier.tiers.fs.pool import DualQueuePool, IOQueue
 from kvtier.tiers.integrity import SizeClass, identity, make_trailer_page, verify
@@ -224,34 +225,92 @@ def test_a_file_of_another_owner_is_read_without_o_noatime(tree: int, monkeypatc
     assert [bool(f & os.O_NOATIME) for f in flags_seen] == [True, False]
 
 
-def test_the_plain_loader_verifies_trailered_chunks_and_leaves_everything_else_to_load_chunk(
+RUN = hashlib.sha256(b"run").digest()
+
+
+def chunk_key(i: int, group: int = 0) -> bytes:
+    return make_offload_key(hashlib.sha256(b"%d" % i).digest(), group)
+
+
+def put_chunk(tree: int, key: bytes, src: memoryview | bytes, *, run: bytes = RUN, o_direct: bool = False) -> Path:
+    """``src`` as chunk ``key`` of ``run``, where the tier keeps it; returns its path relative to the tree."""
+    relpath = Namespace.chunk_relpath(key)
+    chunks.write_chunk(tree, relpath, src, make_trailer_page(src, identity(key, run)), o_direct=o_direct)
+    return Path(relpath)
+
+
+def test_the_slice_loader_vouches_for_intact_chunks_only_and_leaves_the_rest_to_load_chunk(
         tmp_path: Path, tree: int, o_direct: bool) -> None:
-    load = chunks.plain_loader(o_direct)
-    src = slot_filled_with(0x3D)
-    chunks.write_chunk(tree, "c.bin", src, trailer_page_of(src), o_direct=o_direct)
-    dst = slot_filled_with(0)
-    verdict = load(tree, "c.bin", dst, ME)
-    if not beneath.has_openat2():  # it declines everything; load_chunk reads the chunk
-        assert verdict is None
+    load = chunks.slice_loader(o_direct, RUN)
+    src = [slot_filled_with(0x10 + i) for i in range(20)]
+    keys = [chunk_key(i) for i in range(20)]
+    for key, data in zip(keys, src):
+        put_chunk(tree, key, data, o_direct=o_direct)
+    dsts = [slot_filled_with(0) for _ in keys]
+    verified = load(tree, keys, dsts)
+    if not beneath.has_openat2():  # it declines everything; load_chunk reads each chunk
+        assert verified == [False] * len(keys)
         return
-    assert verdict is not None and verdict.verified and bytes(dst) == bytes(src)
-    # A plain chunk's trailer is judged as load_chunk judges it.
-    page = trailer_page_of(src)
-    (tmp_path / "flipped.bin").write_bytes(b"\x12" + bytes(src)[1:] + page)
-    other = identity(make_offload_key(hashlib.sha256(b"d").digest(), 0), hashlib.sha256(b"run").digest())
-    (tmp_path / "other.bin").write_bytes(bytes(src) + make_trailer_page(src, other))
-    for name, reason in (("flipped.bin", "checksum"), ("other.bin", "wrong_chunk")):
-        verdict = load(tree, name, slot_filled_with(0), ME)
-        assert verdict is not None and not verdict.ok and verdict.reason == reason
-    # Anything else is declined (None), for load_chunk to open, read and name again.
-    (tmp_path / "raw.bin").write_bytes(b"\x05" * SLOT)
-    (tmp_path / "short.bin").write_bytes(bytes(src)[: SLOT // 2])
-    (tmp_path / "long.bin").write_bytes(bytes(src) + page + page)
-    os.symlink(tmp_path / "c.bin", tmp_path / "link.bin")
-    (tmp_path / "dir.bin").mkdir()
-    os.mkfifo(tmp_path / "pipe.bin")
-    for name in ("raw.bin", "short.bin", "long.bin", "link.bin", "dir.bin", "pipe.bin", "none.bin"):
-        assert load(tree, name, slot_filled_with(0), ME) is None, name
+    assert verified == [True] * len(keys)
+    assert [bytes(d) for d in dsts] == [bytes(s) for s in src]
+    # Spoil some of them, each another way; the others still verify in the same slice.
+    page = make_trailer_page(src[0], identity(keys[0], RUN))
+    at = {i: tmp_path / put_chunk(tree, keys[i], src[i]) for i in range(20)}
+    at[1].write_bytes(b"\x12" + bytes(src[1])[1:] + make_trailer_page(src[1], identity(keys[1], RUN)))  # checksum
+    at[2].write_bytes(at[3].read_bytes())  # another chunk's file under its name: wrong_chunk
+    at[4].unlink()
+    put_chunk(tree, keys[4], src[4], run=hashlib.sha256(b"other run").digest())  # another run's: wrong_chunk
+    at[5].write_bytes(b"\x05" * SLOT)  # raw (vLLM's): unverified
+    at[6].write_bytes(bytes(src[6])[: SLOT // 2])  # short
+    at[7].write_bytes(bytes(src[7]) + page + page)  # long
+    at[8].unlink()
+    os.symlink(at[0], at[8])  # a link: not_regular
+    at[9].unlink()
+    at[9].mkdir()
+    at[10].unlink()
+    os.mkfifo(at[10])
+    at[11].unlink()  # missing
+    bad_magic = bytearray(bytes(src[12]) + make_trailer_page(src[12], identity(keys[12], RUN)))
+    bad_magic[-32] ^= 0xFF
+    at[12].write_bytes(bytes(bad_magic))
+    verified = load(tree, keys, [slot_filled_with(0) for _ in keys])
+    assert [i for i, ok in enumerate(verified) if not ok] == [1, 2, *range(4, 13)]  # 3 is intact
+    # What it declined, load_chunk judges as ever.
+    reasons = {1: "checksum", 2: "wrong_chunk", 4: "wrong_chunk", 5: "unverified", 6: "short", 7: "long",
+               8: "not_regular", 9: "not_regular", 10: "not_regular", 12: "bad_trailer"}
+    for i, reason in reasons.items():
+        verdict = chunks.load_chunk(tree, Namespace.chunk_relpath(keys[i]), slot_filled_with(0), identity(keys[i], RUN),
+                                    o_direct=o_direct)
+        assert verdict.reason == reason, i
+
+
+def test_the_slice_loader_takes_any_number_of_keys_of_any_groups(tree: int, o_direct: bool) -> None:
+    load = chunks.slice_loader(o_direct, RUN)
+    keys = [chunk_key(i, group=i % 3) for i in range(150)]  # more than one slice's rows
+    for i, key in enumerate(keys):
+        put_chunk(tree, key, slot_filled_with(i % 251), o_direct=o_direct)
+    dsts = [slot_filled_with(0) for _ in keys]
+    verified = load(tree, keys, dsts)
+    if beneath.has_openat2():
+        assert verified == [True] * len(keys)
+        assert all(bytes(d) == bytes([i % 251]) * SLOT for i, d in enumerate(dsts))
+    assert load(tree, [], []) == []
+    with pytest.raises(ValueError):
+        load(tree, keys[:2], dsts[:1])
+    with pytest.raises(ValueError):  # no offload key
+        load(tree, [b"abc"], dsts[:1])
+
+
+def test_without_openat2_the_slice_loader_declines_every_chunk(tree: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVTIER_NO_OPENAT2", "1")  # resolution component by component: load_chunk's
+    monkeypatch.setattr(beneath, "_openat2_state", {})
+    src = slot_filled_with(0x21)
+    put_chunk(tree, chunk_key(1), src)
+    assert chunks.slice_loader(False, RUN)(tree, [chunk_key(1)], [slot_filled_with(0)]) == [False]
+    dst = slot_filled_with(0)
+    verdict = chunks.load_chunk(tree, Namespace.chunk_relpath(chunk_key(1)), dst, identity(chunk_key(1), RUN),
+                                o_direct=False)
+    assert verdict.verified and bytes(dst) == bytes(src)
 
 
 def test_load_chunk_raises_file_not_found_for_a_missing_file(tree: int) -> None:
@@ -404,6 +463,31 @@ async def test_batch_returns_one_result_per_call_and_failures_do_not_stop_the_ot
     assert outcomes[0] == 2 and outcomes[2] == 5
     assert isinstance(outcomes[1], ZeroDivisionError)
     assert pool.statistics().completed == 3
+
+
+@pytest.mark.anyio
+async def test_slices_return_one_result_per_item_and_a_failed_slice_fails_its_items_only() -> None:
+    pool = DualQueuePool(2, 2, batch_slices=3)
+    seen: list[list[int]] = []
+
+    def squares(part: list[int]) -> list[int | str]:
+        seen.append(list(part))
+        if 5 in part:
+            raise RuntimeError("this slice failed")
+        if 8 in part:
+            return ["too few"]
+        return [i * i for i in part]
+
+    pool.start()
+    try:
+        outcomes = await pool.run_slices(IOQueue.READ, squares, list(range(9)))
+        assert await pool.run_slices(IOQueue.READ, squares, []) == []
+    finally:
+        await pool.aclose()
+    assert sorted(seen) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]  # consecutive items, one slice per worker task
+    assert outcomes[:3] == [0, 1, 4]
+    assert all(isinstance(o, RuntimeError) for o in outcomes[3:6])
+    assert all(isinstance(o, ValueError) and "1 results for 3 items" in str(o) for o in outcomes[6:])
 
 
 @pytest.mark.anyio

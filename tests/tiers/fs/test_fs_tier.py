@@ -459,13 +459,13 @@ async def test_jobs_are_cut_per_core_for_page_cache_io_and_per_worker_for_o_dire
 async def test_a_job_is_handed_to_the_pool_as_one_batch(tmp_path: Path, host: SlotBuffer) -> None:
     tier = make_tier(tmp_path, host)
     batches: list[int] = []
-    real = tier._pool.run_batch
+    real = tier._pool.run_slices  # what run_batch (stores) runs on too
 
-    async def spy(queue: Any, fn: Any, arg_tuples: Any) -> Any:
-        batches.append(len(arg_tuples))
-        return await real(queue, fn, arg_tuples)
+    async def spy(queue: Any, fn: Any, items: Any) -> Any:
+        batches.append(len(items))
+        return await real(queue, fn, items)
 
-    tier._pool.run_batch = spy  # type: ignore[method-assign]
+    tier._pool.run_slices = spy  # type: ignore[method-assign]
     async with running(tier):
         assert (await store(tier, host, range(8))).success
         assert (await load(tier, range(8))).success
