@@ -225,11 +225,14 @@ class JobRunner:
         keys = record.job.keys
         outcomes: Sequence[BaseException | None]
         try:
-            outcomes = await hook([(keys[i], views[i]) for i in indices])
+            whole = len(indices) == len(keys)  # the common case: every chunk of the job, in order
+            outcomes = await hook(list(zip(keys, views)) if whole else [(keys[i], views[i]) for i in indices])
             if len(outcomes) != len(indices):
                 raise ValueError(f"{hook.__name__}() returned {len(outcomes)} outcomes for {len(indices)} chunks")
         except Exception as exc:  # the whole batch failed
             outcomes = [exc] * len(indices)
+        if outcomes.count(None) == len(outcomes):
+            return
         for i, outcome in zip(indices, outcomes):
             if outcome is not None:
                 self._chunk_failed(record, i, outcome, reasons)
@@ -250,8 +253,11 @@ class JobRunner:
     def _complete(self, record: JobHandle, reasons: list[str | None], elapsed: float) -> None:
         tier = self._tier
         job = record.job
-        ok_keys = [key for key, reason in zip(job.keys, reasons) if reason is None]
-        failed = next((reason for reason in reasons if reason is not None), None)
+        if reasons.count(None) == len(reasons):  # the common case: every chunk moved
+            ok_keys, failed = list(job.keys), None
+        else:
+            ok_keys = [key for key, reason in zip(job.keys, reasons) if reason is None]
+            failed = next(reason for reason in reasons if reason is not None)
         nbytes = len(ok_keys) * tier.context.slot_bytes
         tier.record_transfer("load" if job.is_promotion else "store", nbytes, elapsed)
         if job.is_promotion:

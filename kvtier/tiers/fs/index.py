@@ -289,22 +289,44 @@ class ChunkIndex:
 
     def unpin_all(self, keys: Iterable[bytes], touch_or_add: int | None = None) -> None:
         """:meth:`unpin` each key; with ``touch_or_add``, also :meth:`touch_or_add` them with that
-        size (a finished load: one lookup per key for both)."""
-        busy, now, seen = self._busy, time.monotonic(), self._seen
+        size (a finished load: one lookup per key for both).
+
+        Every chunk a job moved passes here on the event loop, so :meth:`_find` (its probe of
+        the current table), :meth:`_unlink` and :meth:`_push_hot` are written out inline."""
+        busy, now, seen, prev, nxt = self._busy, time.monotonic(), self._seen, self._prev, self._next
+        entries, klen, width = self._keys, self._klen, MAX_KEY_BYTES
+        table = self._table
+        mask = len(table) - 1
         for key in keys:
             left = busy[key] - 1
             if left:
                 busy[key] = left
             else:
                 del busy[key]
-            slot = self._find(key)
+            n = len(key)
+            i = hash(key) & mask
+            while True:
+                slot = table[i]
+                if slot == _EMPTY or (klen[slot] == n and entries.startswith(key, slot * width)):
+                    break
+                i = (i + 1) & mask
+            if slot == _EMPTY and self._old is not None:  # not migrated to the current table yet
+                slot = self._find(key)
             if slot >= 0:
                 seen[slot] = now
-                if touch_or_add is not None:
-                    self._unlink(slot)
-                    self._push_hot(slot)
+                if touch_or_add is not None:  # to the hot list's end (most recent)
+                    before, after = prev[slot], nxt[slot]
+                    nxt[before] = after
+                    prev[after] = before
+                    last = prev[_HOT]
+                    nxt[last] = slot
+                    prev[slot] = last
+                    nxt[slot] = _HOT
+                    prev[_HOT] = slot
             elif touch_or_add is not None:
                 self.add(key, touch_or_add)
+                table = self._table  # adding may have grown it
+                mask = len(table) - 1
 
     def is_busy(self, key: bytes) -> bool:
         return key in self._busy

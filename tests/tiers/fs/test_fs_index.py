@@ -239,6 +239,20 @@ def test_many_inserts_and_removes_through_growth_and_migration(seed: int) -> Non
     assert set(index.keys()) == set(live)
 
 
+def test_a_finished_load_adds_what_the_index_lost_through_growth_and_keeps_the_job_order() -> None:
+    index = ChunkIndex(None)
+    held = KEYS[:30]
+    for key in held:
+        index.add(key, 7)
+    job = KEYS[20:120]  # ten held, then ninety the index lost (another process listed them gone)
+    index.pin_all(job)
+    index.unpin_all(job, touch_or_add=9)  # the table doubles, and migrates, while this runs
+    assert not any(index.is_busy(key) for key in KEYS)
+    assert index.keys() == held[:20] + job
+    assert [index.size_of(key) for key in job] == [7] * 10 + [9] * 90
+    assert index.used == 30 * 7 + 90 * 9
+
+
 def test_reserve_that_cannot_make_room_removes_nothing() -> None:
     index = ChunkIndex(100)
     a, b, c = (bytes([i]) * 32 + bytes(4) for i in (1, 2, 3))
