@@ -377,10 +377,23 @@ class ChunkIndex:
         outcomes: list[bool | TierIOError] = []
         victims: list[tuple[bytes, float]] = []
         busy, sizes, capacity = self._busy, self._size, self.capacity
+        entries, klen, width = self._keys, self._klen, MAX_KEY_BYTES
         stored_at: float | None = None
         seen = 0.0
         for key in keys:
-            slot = self._find(key)
+            # _find, its probe of the current table inline: a miss ends on the bucket the key
+            # then takes, when the table needs neither growing nor migrating.
+            table = self._table
+            mask = len(table) - 1
+            n = len(key)
+            i = hash(key) & mask
+            while True:
+                slot = table[i]
+                if slot == _EMPTY or (klen[slot] == n and entries.startswith(key, slot * width)):
+                    break
+                i = (i + 1) & mask
+            if slot == _EMPTY and self._old is not None:
+                slot = self._find(key)
             if slot >= 0 and (sizes[slot] == size or held_at_any_size):
                 self._keep_held(key, slot)
                 outcomes.append(False)
@@ -393,6 +406,8 @@ class ChunkIndex:
                     self.used += size - sizes[slot]
                     sizes[slot] = size
                     self._unlink(slot)
+                elif self._old is None and self._n + 1 <= _MAX_LOAD * len(table):
+                    slot = table[i] = self._new_entry(key, size)  # where the probe ended
                 else:
                     slot = self._insert(key, size)
                 self._stored[slot] = stored_at
