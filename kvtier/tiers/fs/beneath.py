@@ -254,8 +254,7 @@ def try_opener(flags: int) -> Callable[[int, bytes], int]:
     fn = _openat2_fn()
     if fn is None:
         def unavailable(dir_fd: int, relpath: bytes) -> int:
-            if type(relpath) is not bytes:
-                raise TypeError(f"try_open takes a bytes path, not {type(relpath).__name__}")
+            _check_path_bytes(relpath)
             return -1
         quick = unavailable
     else:
@@ -264,13 +263,22 @@ def try_opener(flags: int) -> Callable[[int, bytes], int]:
         size = ctypes.sizeof(_OpenHow)
 
         def try_open(dir_fd: int, relpath: bytes) -> int:
-            if type(relpath) is not bytes:  # ctypes would pass a str as wide characters
-                raise TypeError(f"try_open takes a bytes path, not {type(relpath).__name__}")
+            if type(relpath) is not bytes or b"\0" in relpath:
+                _check_path_bytes(relpath)
             fd: int = syscall(nr, dir_fd, relpath, how, size)
             return fd if fd >= 0 else -1
         quick = try_open
     _openat2_state[("try", flags)] = quick
     return quick
+
+
+def _check_path_bytes(relpath: object) -> None:
+    """What :func:`try_opener`'s opener refuses: a path that is not bytes (``ctypes`` would pass a
+    ``str`` as wide characters) or holds a NUL byte (the system call would see a shorter path)."""
+    if type(relpath) is not bytes:
+        raise TypeError(f"try_open takes a bytes path, not {type(relpath).__name__}")
+    if b"\0" in relpath:
+        raise ValueError("embedded null byte in a path")
 
 
 def open_dir(dir_fd: int, relpath: str, *, create: bool = False, modes: Modes = PRIVATE) -> int:

@@ -110,6 +110,8 @@ def test_the_hot_path_opener_opens_what_open_file_opens_and_nothing_else(base: P
     try_open = beneath.try_opener(os.O_RDONLY)
     with pytest.raises(TypeError):  # a str would reach the system call as wide characters
         try_open(base_fd, "abc/de_g0/real.bin")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):  # the system call would see "abc/de_g0/real.bin"
+        try_open(base_fd, b"abc/de_g0/real.bin\0/../x")
     fd = try_open(base_fd, b"abc/de_g0/real.bin")
     if resolution == "walk":
         assert fd == -1
