@@ -15,9 +15,11 @@ from chunk_files import ME, SLOT, slot_filled_with, trailer_page_of
 
 from kvtier.keys import make_offload_key
 from kvtier.layout import Namespace
+from kvtier.tiers.codec import ChunkCodec
 from kvtier.tiers.fs import beneath, chunks
+from kvtier.tiers.fs import tier as fs_tier
 from kvtier.tiers.fs.pool import DualQueuePool, IOQueue
-from kvtier.tiers.integrity import SizeClass, identity, make_trailer_page, verify
+from kvtier.tiers.integrity import ACCEPTED_VERIFIED, SizeClass, identity, make_trailer_page, verify
 
 
 @pytest.fixture
@@ -299,6 +301,35 @@ def test_the_slice_loader_takes_any_number_of_keys_of_any_groups(tree: int, o_di
         load(tree, keys[:2], dsts[:1])
     with pytest.raises(ValueError):  # no offload key
         load(tree, [b"abc"], dsts[:1])
+
+
+def test_a_load_slice_judges_each_chunk_the_slice_loader_does_not_vouch_for(tmp_path: Path, tree: int) -> None:
+    good, corrupt = slot_filled_with(0x31), slot_filled_with(0x32)
+    put_chunk(tree, chunk_key(1), good)
+    (tmp_path / put_chunk(tree, chunk_key(2), corrupt)).write_bytes(
+        b"\x00" + bytes(corrupt)[1:] + make_trailer_page(corrupt, identity(chunk_key(2), RUN)))
+    items = [(chunk_key(1), slot_filled_with(0)), (chunk_key(2), slot_filled_with(0)), (b"abc", slot_filled_with(0)),
+             (chunk_key(3), slot_filled_with(0))]
+
+    def failing(*args: object) -> list[bool]:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    for fast in (chunks.slice_loader(False, RUN), failing, None):
+        for _, dst in items:
+            dst[:] = b"\x77" * SLOT
+        results = fs_tier._load_slice(tree, RUN, False, False, ChunkCodec(dtype="float16", slot_bytes=SLOT), fast,
+                                      items)
+        assert results[0] is ACCEPTED_VERIFIED and bytes(items[0][1]) == bytes(good)
+        assert getattr(results[1], "reason", None) == "checksum"  # and removed
+        assert isinstance(results[2], ValueError)  # no offload key
+        assert isinstance(results[3], FileNotFoundError)
+        assert bytes(items[1][1]) == bytes(SLOT)  # rejected: zeroed
+        if fast is not None:  # whatever a first read may have left in a failed chunk's slot is gone
+            assert all(bytes(dst) == bytes(SLOT) for _, dst in items[2:])
+        assert not (tmp_path / Namespace.chunk_relpath(chunk_key(2))).exists()
+        put_chunk(tree, chunk_key(2), corrupt)  # intact now, for the next round's corruption
+        (tmp_path / Namespace.chunk_relpath(chunk_key(2))).write_bytes(
+            b"\x00" + bytes(corrupt)[1:] + make_trailer_page(corrupt, identity(chunk_key(2), RUN)))
 
 
 def test_without_openat2_the_slice_loader_declines_every_chunk(tree: int, monkeypatch: pytest.MonkeyPatch) -> None:
