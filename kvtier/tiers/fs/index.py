@@ -291,7 +291,7 @@ class ChunkIndex:
         """:meth:`unpin` each key; with ``touch_or_add``, also :meth:`touch_or_add` them with that
         size (a finished load: one lookup per key for both).
 
-        Every chunk a job moved passes here on the event loop, so :meth:`_find` (its probe of
+        Every chunk a load moved passes here on the event loop, so :meth:`_locate` (its probe of
         the current table), :meth:`_unlink` and :meth:`_push_hot` are written out inline."""
         busy, now, seen, prev, nxt = self._busy, time.monotonic(), self._seen, self._prev, self._next
         entries, klen, width = self._keys, self._klen, MAX_KEY_BYTES
@@ -377,23 +377,10 @@ class ChunkIndex:
         outcomes: list[bool | TierIOError] = []
         victims: list[tuple[bytes, float]] = []
         busy, sizes, capacity = self._busy, self._size, self.capacity
-        entries, klen, width = self._keys, self._klen, MAX_KEY_BYTES
         stored_at: float | None = None
         seen = 0.0
         for key in keys:
-            # _find, its probe of the current table inline: a miss ends on the bucket the key
-            # then takes, when the table needs neither growing nor migrating.
-            table = self._table
-            mask = len(table) - 1
-            n = len(key)
-            i = hash(key) & mask
-            while True:
-                slot = table[i]
-                if slot == _EMPTY or (klen[slot] == n and entries.startswith(key, slot * width)):
-                    break
-                i = (i + 1) & mask
-            if slot == _EMPTY and self._old is not None:
-                slot = self._find(key)
+            slot, i = self._locate(key)  # a miss ends on the bucket the key then takes
             if slot >= 0 and (sizes[slot] == size or held_at_any_size):
                 self._keep_held(key, slot)
                 outcomes.append(False)
@@ -406,8 +393,8 @@ class ChunkIndex:
                     self.used += size - sizes[slot]
                     sizes[slot] = size
                     self._unlink(slot)
-                elif self._old is None and self._n + 1 <= _MAX_LOAD * len(table):
-                    slot = table[i] = self._new_entry(key, size)  # where the probe ended
+                elif self._old is None and self._n + 1 <= _MAX_LOAD * len(self._table):
+                    slot = self._table[i] = self._new_entry(key, size)  # where the probe ended
                 else:
                     slot = self._insert(key, size)
                 self._stored[slot] = stored_at
@@ -576,8 +563,13 @@ class ChunkIndex:
             i = (i + 1) & mask
 
     def _find(self, key: bytes) -> int:
-        """Slot of ``key``, or -1. The probe of the current table is :meth:`_probe` inline: every
-        chunk a job moves is looked up once, on the event loop."""
+        """Slot of ``key``, or -1."""
+        return self._locate(key)[0]
+
+    def _locate(self, key: bytes) -> tuple[int, int]:
+        """``(slot, bucket)``: the slot of ``key`` (-1 when absent) and the bucket of the current
+        table its probe ended on — where a new key goes when the table needs neither growing nor
+        migrating (-1 when the key was found in the old table)."""
         table = self._table
         mask = len(table) - 1
         i = hash(key) & mask
@@ -587,14 +579,14 @@ class ChunkIndex:
             if slot == _EMPTY:
                 break
             if klen[slot] == n and keys.startswith(key, slot * width):
-                return slot
+                return slot, i
             i = (i + 1) & mask
         old = self._old
         if old is not None:
-            i = self._probe(old, key)
-            if i >= 0:
-                return old[i]
-        return -1
+            j = self._probe(old, key)
+            if j >= 0:
+                return old[j], -1
+        return -1, i
 
     def _table_insert(self, key: bytes, slot: int) -> None:
         if self._old is not None:
