@@ -639,9 +639,13 @@ def instrumented(clock: Clock) -> Iterator[None]:
 
     swaps.append((chunks, "os", proxy(os, _os_stage)))
     beneath_proxy = proxy(chunks.beneath, _beneath_stage)
-    # The load fast path's opener is made once per job (beneath.try_opener): time what it makes.
-    try_opener = chunks.beneath.try_opener
-    beneath_proxy.try_opener = lambda flags: clock.wrap("containment/open", try_opener(flags))
+    # The load fast path's opener is prepared once per job (beneath.raw_opener): time its call.
+    raw_opener = chunks.beneath.raw_opener
+
+    def timed_raw_opener(flags: int) -> Any:
+        raw = raw_opener(flags)
+        return None if raw is None else raw._replace(call=clock.wrap("containment/open", raw.call))
+    beneath_proxy.raw_opener = timed_raw_opener
     swaps.append((chunks, "beneath", beneath_proxy))
     for name in ("make_trailer_page", "identity", "trailer_page_for", "write_trailer"):
         if hasattr(fs_tier_module, name):

@@ -28,7 +28,7 @@ import stat
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvtier.tiers.fs.modes import PRIVATE, Modes
 
@@ -36,6 +36,8 @@ __all__ = [
     "UnsafeEntry",
     "open_file",
     "try_opener",
+    "raw_opener",
+    "RawOpen",
     "open_dir",
     "open_or_make_dir",
     "lstat",
@@ -234,6 +236,41 @@ def open_file(dir_fd: int, relpath: str, flags: int, mode: int = 0o600, *, regul
     return fd  # O_NONBLOCK changes nothing for a regular file's reads and writes
 
 
+class RawOpen(NamedTuple):
+    """One ``openat2`` beneath a directory, prepared for a loop that opens many paths:
+    ``call(nr, dir_fd, path, how, size)`` returns the descriptor, or a negative number wherever
+    :func:`open_file` would raise. ``path`` must be ``bytes`` without a NUL byte, and nothing
+    checks that here: ``ctypes`` would send a ``str`` as wide characters and the kernel would
+    see a path cut at the NUL. :func:`try_opener` is the checked form."""
+
+    call: Callable[..., int]
+    nr: int
+    how: Any
+    size: int
+
+
+def raw_opener(flags: int) -> RawOpen | None:
+    """:func:`try_opener`'s system call without the function around it, or None where there is
+    no ``openat2`` (the caller then opens with :func:`open_file`). Same flags, resolution and
+    guarantees; ``O_CREAT`` is refused (``ValueError``).
+
+    For a loader that makes its paths itself (hexadecimal names: bytes without a NUL by
+    construction): at page-cache speeds even the few bytecodes of a wrapper per chunk are
+    interpreter-lock time that its peer threads wait for."""
+    if flags & os.O_CREAT:
+        raise ValueError("raw_opener opens existing files: O_CREAT is open_file's")
+    if ("raw", flags) in _openat2_state:
+        return _openat2_state[("raw", flags)]  # type: ignore[no-any-return]
+    fn = _openat2_fn()
+    raw: RawOpen | None = None
+    if fn is not None:
+        syscall, nr = fn
+        how = _OpenHow(flags | _O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC, 0, _RESOLVE)
+        raw = RawOpen(syscall, nr, ctypes.byref(how), ctypes.sizeof(how))
+    _openat2_state[("raw", flags)] = raw
+    return raw
+
+
 def try_opener(flags: int) -> Callable[[int, bytes], int]:
     """For a hot path: ``try_open(dir_fd, relpath)``, with ``relpath`` as bytes (the path
     :func:`open_file` takes, encoded), which opens like :func:`open_file` with ``flags`` and
@@ -242,25 +279,23 @@ def try_opener(flags: int) -> Callable[[int, bytes], int]:
     calls :func:`open_file` to learn it.
 
     Same flags, same resolution, same guarantees as :func:`open_file`; what it saves is the
-    exception machinery and the frames around the one ``openat2`` call (page-cache chunk loads
-    make it tens of thousands of times a second, under the interpreter lock). ``O_CREAT`` is
-    refused (``ValueError``): this opens existing files only.
+    exception machinery and the frames around the one ``openat2`` call. A ``str`` path raises
+    ``TypeError``, a NUL byte ``ValueError``; ``O_CREAT`` is refused (``ValueError``): this
+    opens existing files only.
     """
     if flags & os.O_CREAT:
         raise ValueError("try_opener opens existing files: O_CREAT is open_file's")
     quick = _openat2_state.get(("try", flags))
     if quick is not None:
-        return quick
-    fn = _openat2_fn()
-    if fn is None:
+        return quick  # type: ignore[no-any-return]
+    raw = raw_opener(flags)
+    if raw is None:
         def unavailable(dir_fd: int, relpath: bytes) -> int:
             _check_path_bytes(relpath)
             return -1
         quick = unavailable
     else:
-        syscall, nr = fn
-        how = ctypes.byref(_OpenHow(flags | _O_NONBLOCK | _O_NOFOLLOW | _O_CLOEXEC, 0, _RESOLVE))
-        size = ctypes.sizeof(_OpenHow)
+        syscall, nr, how, size = raw
 
         def try_open(dir_fd: int, relpath: bytes) -> int:
             if type(relpath) is not bytes or b"\0" in relpath:

@@ -489,10 +489,11 @@ def slice_loader(o_direct: bool, run_fingerprint: bytes) -> SliceLoad:
     whatever was read meanwhile.
 
     Per chunk only the system calls and the checksum run: one ``openat2`` (as
-    :func:`~kvtier.tiers.fs.beneath.open_file`, through
-    :func:`~kvtier.tiers.fs.beneath.try_opener`), one ``preadv`` that lands the payload in the
-    slot and the trailer's head and checksum in this thread's rows (:class:`_SliceScratch`), and
-    xxh3-64 of the slot. The paths are made for the whole slice at once
+    :func:`~kvtier.tiers.fs.beneath.open_file`, called as
+    :func:`~kvtier.tiers.fs.beneath.raw_opener` prepared it, with no function around it), one
+    ``preadv`` that lands the payload in the slot and the trailer's head and checksum in this
+    thread's rows (:class:`_SliceScratch`), and xxh3-64 of the slot. Without ``openat2`` every
+    chunk is declined (the general way walks each path component by component). The paths are made for the whole slice at once
     (:meth:`~kvtier.layout.Namespace.chunk_relpaths`) and the trailers checked together
     against :func:`~kvtier.tiers.integrity.expected_heads`: at page-cache speeds every bytecode a
     worker runs per chunk holds the interpreter lock that its peers and the event loop wait for,
@@ -502,7 +503,15 @@ def slice_loader(o_direct: bool, run_fingerprint: bytes) -> SliceLoad:
     wait. A ``ValueError`` for a key that is no offload key (as :func:`load_chunk`'s caller
     would get).
     """
-    try_open = beneath.try_opener(_READ_FLAGS[o_direct])
+    raw = beneath.raw_opener(_READ_FLAGS[o_direct])
+    if raw is None:  # no openat2 here: every chunk is opened the general way
+        def decline(dir_fd: int, keys: Sequence[bytes], dsts: Sequence[memoryview]) -> list[bool]:
+            if len(keys) != len(dsts):
+                raise ValueError(f"{len(keys)} keys for {len(dsts)} slots")
+            Namespace.chunk_relpaths(keys)  # a key that is no offload key: its ValueError
+            return [False] * len(keys)
+        return decline
+    openat2, nr, how, how_size = raw
     preadv, close, digest_of, relpaths_of = os.preadv, os.close, checksum, Namespace.chunk_relpaths
     big_endian = sys.byteorder == "big"  # the trailer's checksum is little-endian
 
@@ -511,7 +520,7 @@ def slice_loader(o_direct: bool, run_fingerprint: bytes) -> SliceLoad:
         slot_bytes = len(dsts[0])
         if set(map(len, dsts)) != {slot_bytes}:
             return [False] * n
-        relpaths = relpaths_of(keys)
+        relpaths = relpaths_of(keys)  # hexadecimal names: bytes without a NUL, as openat2 needs
         expected = expected_heads(keys, run_fingerprint, slot_bytes)
         scratch = _slice_scratch()
         spare, before, reserved = scratch.spare, scratch.before, scratch.reserved
@@ -520,7 +529,7 @@ def slice_loader(o_direct: bool, run_fingerprint: bytes) -> SliceLoad:
         sizes = [0] * n
         digests = [0] * n
         for i in range(n):
-            fd = try_open(dir_fd, relpaths[i])
+            fd = openat2(nr, dir_fd, relpaths[i], how, how_size)
             if fd < 0:
                 continue
             dst = dsts[i]

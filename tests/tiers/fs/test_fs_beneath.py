@@ -130,6 +130,30 @@ def test_the_hot_path_opener_opens_what_open_file_opens_and_nothing_else(base: P
         sock.close()
 
 
+def test_the_raw_opener_resolves_as_the_hot_path_opener(base: Path, base_fd: int, resolution: str) -> None:
+    # raw_opener: try_opener's system call, prepared; a descriptor or a negative number.
+    raw = beneath.raw_opener(os.O_RDONLY)
+    if resolution == "walk":
+        assert raw is None  # its caller then opens each file with open_file
+        return
+    assert raw is not None
+
+    def open_raw(relpath: bytes) -> int:
+        return raw.call(raw.nr, base_fd, relpath, raw.how, raw.size)
+    assert _read(open_raw(b"abc/de_g0/real.bin")) == b"real"
+    os.symlink(base.parent / "outside" / "secret.bin", base / "abc" / "de_g0" / "link.bin")
+    os.symlink(base.parent / "outside", base / "xyz")
+    for relpath in (b"abc/de_g0/link.bin", b"xyz/de_g0/real.bin", b"../outside/secret.bin", b"/etc/hostname",
+                    b"abc/de_g0/none.bin"):
+        assert open_raw(relpath) < 0, relpath
+    assert beneath.raw_opener(os.O_RDONLY) is raw  # prepared once per flags
+
+
+def test_the_raw_opener_refuses_to_create() -> None:
+    with pytest.raises(ValueError):
+        beneath.raw_opener(os.O_RDONLY | os.O_CREAT)
+
+
 def test_the_hot_path_opener_refuses_to_create() -> None:
     with pytest.raises(ValueError):
         beneath.try_opener(os.O_RDONLY | os.O_CREAT)
