@@ -36,6 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvtier.layout import Namespace
 from kvtier.tiers.fs import beneath, tree
 from kvtier.tiers.fs.beneath import UnsafeEntry
@@ -466,6 +468,14 @@ class _SliceScratch:
             self.pages_mapping = mmap.mmap(-1, _SLICE_ROWS * TRAILER_PAGE)
             whole = memoryview(self.pages_mapping)
             self._pages = [whole[i * TRAILER_PAGE : (i + 1) * TRAILER_PAGE] for i in range(_SLICE_ROWS)]
+            # The heads and checksums of those pages, and their rows, as arrays: gathered in two
+            # copies per slice (a copy per row would be Python run per chunk).
+            at = TRAILER_PAGE - TRAILER_SIZE
+            pages = np.frombuffer(self.pages_mapping, dtype=np.uint8).reshape(_SLICE_ROWS, TRAILER_PAGE)
+            self.page_heads = pages[:, at : at + HEAD_SIZE]
+            self.page_digests = pages[:, at + HEAD_SIZE : at + HEAD_SIZE + 8]
+            self.head_array = np.frombuffer(self.heads, dtype=np.uint8).reshape(_SLICE_ROWS, HEAD_SIZE)
+            self.digest_array = np.frombuffer(self.digests, dtype=np.uint8).reshape(_SLICE_ROWS, 8)
         return self._pages
 
 
@@ -544,9 +554,8 @@ def slice_loader(o_direct: bool, run_fingerprint: bytes) -> SliceLoad:
             finally:
                 close(fd)
         if o_direct:
-            for i in range(n):
-                head_rows[i][:] = pages[i][TRAILER_PAGE - TRAILER_SIZE : TRAILER_PAGE - TRAILER_SIZE + HEAD_SIZE]
-                digest_rows[i][:] = pages[i][TRAILER_PAGE - TRAILER_SIZE + HEAD_SIZE : TRAILER_PAGE - 8]
+            scratch.head_array[:n] = scratch.page_heads[:n]
+            scratch.digest_array[:n] = scratch.page_digests[:n]
         stored = scratch.digests[:n]
         if big_endian:
             stored.byteswap()
