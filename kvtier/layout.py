@@ -30,9 +30,11 @@ in :mod:`kvtier.tiers.fs.tree`.
 
 from __future__ import annotations
 
+import binascii
 import hashlib
 import json
 import re
+import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -60,6 +62,10 @@ __all__ = [
     "run_fingerprint",
     "namespace",
 ]
+
+#: Key length → the struct that cuts one key's hexadecimal digits into a chunk path's pieces
+#: (``Namespace.chunk_relpaths``): the top directory's 3, the leaf's 2, the rest, the group's.
+_hex_pieces: dict[int, struct.Struct] = {}
 
 #: Host slots are rounded up to this many bytes (page-aligned for O_DIRECT and pinned copies).
 SLOT_ALIGNMENT = 4096
@@ -423,11 +429,12 @@ class Namespace:
         if (width < GROUP_BYTES + 3 or set(map(type, keys)) != {bytes} or set(map(len, keys)) != {width}
                 or len({key[-GROUP_BYTES:] for key in keys}) != 1):
             return [Namespace.chunk_relpath(key).encode() for key in keys]
-        # One hex string for all keys; each path is cut from it.
-        text, digits = b"".join(keys).hex(), 2 * (width - GROUP_BYTES)
-        group = f"_g{int.from_bytes(keys[0][-GROUP_BYTES:], 'big')}/"
-        return [f"{text[at:at + 3]}/{text[at + 3:at + 5]}{group}{text[at:at + digits]}.bin".encode()
-                for at in range(0, len(text), 2 * width)]
+        # One hexadecimal string for all keys, cut into each path's pieces by one struct.
+        pieces = _hex_pieces.get(width)
+        if pieces is None:
+            pieces = _hex_pieces[width] = struct.Struct(f"3s2s{2 * (width - GROUP_BYTES) - 5}s{2 * GROUP_BYTES}x")
+        path = b"%%b/%%b_g%d/%%b%%b%%b.bin" % int.from_bytes(keys[0][-GROUP_BYTES:], "big")
+        return [path % (top, leaf, top, leaf, rest) for top, leaf, rest in pieces.iter_unpack(binascii.hexlify(b"".join(keys)))]
 
     def chunk_path(self, key: bytes) -> str:
         """``<blocks_dir>/<chunk_relpath(key)>``."""
