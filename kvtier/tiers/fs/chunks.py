@@ -502,12 +502,12 @@ def slice_loader(o_direct: bool, run_fingerprint: bytes) -> SliceLoad:
     :func:`~kvtier.tiers.fs.beneath.open_file`, called as
     :func:`~kvtier.tiers.fs.beneath.raw_opener` prepared it, with no function around it), one
     ``preadv`` that lands the payload in the slot and the trailer's head and checksum in this
-    thread's rows (:class:`_SliceScratch`), and xxh3-64 of the slot. Without ``openat2`` every
-    chunk is declined (the general way walks each path component by component). The paths are made for the whole slice at once
-    (:meth:`~kvtier.layout.Namespace.chunk_relpaths`) and the trailers checked together
-    against :func:`~kvtier.tiers.integrity.expected_heads`: at page-cache speeds every bytecode a
-    worker runs per chunk holds the interpreter lock that its peers and the event loop wait for,
-    and costs several times its own length in throughput.
+    thread's rows (:class:`_SliceScratch`), and xxh3-64 of the slot. The paths are made for the
+    whole slice at once (:meth:`~kvtier.layout.Namespace.chunk_relpaths`) and the trailers
+    checked together against :func:`~kvtier.tiers.integrity.expected_heads`: at page-cache speeds
+    every bytecode a worker runs per chunk holds the interpreter lock that its peers and the
+    event loop wait for, and costs several times its own length in throughput. Without
+    ``openat2`` every chunk is declined (the general way walks each path component by component).
 
     Not for coded chunks (a tier with compression or encryption on) nor reads that may not
     wait. A ``ValueError`` for a key that is no offload key (as :func:`load_chunk`'s caller
