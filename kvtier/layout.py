@@ -31,6 +31,7 @@ in :mod:`kvtier.tiers.fs.tree`.
 from __future__ import annotations
 
 import binascii
+import functools
 import hashlib
 import json
 import re
@@ -62,10 +63,6 @@ __all__ = [
     "run_fingerprint",
     "namespace",
 ]
-
-#: Key length → the struct that cuts one key's hexadecimal digits into a chunk path's pieces
-#: (``Namespace.chunk_relpaths``): the top directory's 3, the leaf's 2, the rest, the group's.
-_hex_pieces: dict[int, struct.Struct] = {}
 
 #: Host slots are rounded up to this many bytes (page-aligned for O_DIRECT and pinned copies).
 SLOT_ALIGNMENT = 4096
@@ -430,15 +427,21 @@ class Namespace:
                 or len({key[-GROUP_BYTES:] for key in keys}) != 1):
             return [Namespace.chunk_relpath(key).encode() for key in keys]
         # One hexadecimal string for all keys, cut into each path's pieces by one struct.
-        pieces = _hex_pieces.get(width)
-        if pieces is None:
-            pieces = _hex_pieces[width] = struct.Struct(f"3s2s{2 * (width - GROUP_BYTES) - 5}s{2 * GROUP_BYTES}x")
+        pieces = _hex_pieces(width)
         path = b"%%b/%%b_g%d/%%b%%b%%b.bin" % int.from_bytes(keys[0][-GROUP_BYTES:], "big")
         return [path % (top, leaf, top, leaf, rest) for top, leaf, rest in pieces.iter_unpack(binascii.hexlify(b"".join(keys)))]
 
     def chunk_path(self, key: bytes) -> str:
         """``<blocks_dir>/<chunk_relpath(key)>``."""
         return f"{self.blocks_dir}/{self.chunk_relpath(key)}"
+
+
+@functools.lru_cache(maxsize=8)
+def _hex_pieces(width: int) -> struct.Struct:
+    """The struct that cuts the hexadecimal digits of one ``width``-byte key into a chunk path's
+    pieces (:meth:`Namespace.chunk_relpaths`): the top directory's 3, the leaf's 2, the rest of
+    the hash's, and the group's (skipped)."""
+    return struct.Struct(f"3s2s{2 * (width - GROUP_BYTES) - 5}s{2 * GROUP_BYTES}x")
 
 
 def namespace(root: str, fields: Mapping[str, Any], rank: int) -> Namespace:
