@@ -292,11 +292,18 @@ class ChunkIndex:
         size (a finished load: one lookup per key for both).
 
         Every chunk a load moved passes here on the event loop, so :meth:`_locate` (its probe of
-        the current table), :meth:`_unlink` and :meth:`_push_hot` are written out inline."""
-        busy, now, seen, prev, nxt = self._busy, time.monotonic(), self._seen, self._prev, self._next
+        the current table) is written out inline, and the keys are made the most recent in *runs*:
+        keys that already follow one another in the recency lists (a job's chunks were stored, and
+        are loaded again, together) move to the hot list's end as one block, one comparison per
+        key instead of a relink per key. The order is the one touching each key in turn gives.
+        A subclass that keeps more lists than the hot one (:class:`TenantChunkIndex`) has each key
+        moved by its own :meth:`_unlink` and :meth:`_push_hot`."""
+        busy, now, seen, nxt = self._busy, time.monotonic(), self._seen, self._next
         entries, klen, width = self._keys, self._klen, MAX_KEY_BYTES
         table = self._table
         mask = len(table) - 1
+        blocks = touch_or_add is not None and self._touch_inline
+        first = last = _EMPTY  # the run of keys not moved yet: from ``first`` to ``last``, linked
         for key in keys:
             left = busy[key] - 1
             if left:
@@ -314,19 +321,37 @@ class ChunkIndex:
                 slot = self._find(key)
             if slot >= 0:
                 seen[slot] = now
-                if touch_or_add is not None:  # to the hot list's end (most recent)
-                    before, after = prev[slot], nxt[slot]
-                    nxt[before] = after
-                    prev[after] = before
-                    last = prev[_HOT]
-                    nxt[last] = slot
-                    prev[slot] = last
-                    nxt[slot] = _HOT
-                    prev[_HOT] = slot
+                if blocks:
+                    if last != _EMPTY and nxt[last] == slot:
+                        last = slot  # the run goes on
+                        continue
+                    if last != _EMPTY:
+                        self._move_hot(first, last)
+                    first = last = slot
+                elif touch_or_add is not None:
+                    self._unlink(slot)
+                    self._push_hot(slot)
             elif touch_or_add is not None:
+                if last != _EMPTY:  # the keys before this one are more recent than the rest
+                    self._move_hot(first, last)
+                    first = last = _EMPTY
                 self.add(key, touch_or_add)
                 table = self._table  # adding may have grown it
                 mask = len(table) - 1
+        if last != _EMPTY:
+            self._move_hot(first, last)
+
+    def _move_hot(self, first: int, last: int) -> None:
+        """Move the linked run ``first`` … ``last`` to the hot list's end, keeping its order."""
+        prev, nxt = self._prev, self._next
+        before, after = prev[first], nxt[last]
+        nxt[before] = after
+        prev[after] = before
+        end = prev[_HOT]
+        nxt[end] = first
+        prev[first] = end
+        nxt[last] = _HOT
+        prev[_HOT] = last
 
     def is_busy(self, key: bytes) -> bool:
         return key in self._busy
@@ -360,6 +385,9 @@ class ChunkIndex:
     #: Whether :meth:`reserve_all` counts a key that fits without victims itself, with the lookup it
     #: made (a subclass whose :meth:`reserve` does more sends every key there).
     _reserve_inline = True
+    #: Whether :meth:`unpin_all` may move keys in runs on the hot list alone (a subclass that keeps
+    #: more recency lists, through :meth:`_unlink` and :meth:`_push_hot`, must say False).
+    _touch_inline = True
 
     def _keep_held(self, key: bytes, slot: int) -> None:
         """:meth:`reserve_all` for ``key``, held already at ``slot``: it becomes the most recent."""
@@ -759,6 +787,8 @@ class TenantChunkIndex(ChunkIndex):
 
     # reserve_all: every key not held goes through this class's reserve (pools, budgets).
     _reserve_inline = False
+    # unpin_all: each touched key moves in its pool's list too.
+    _touch_inline = False
 
     def _keep_held(self, key: bytes, slot: int) -> None:
         self._writers.pop(key, None)  # held already: charged where it is

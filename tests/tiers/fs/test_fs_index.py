@@ -128,11 +128,29 @@ class IndexModel(RuleBasedStateMachine):
     @precondition(lambda self: +self.busy)
     @rule(data=st.data(), size=st.integers(1, 60))
     def finish_load(self, data: st.DataObject, size: int) -> None:
-        # A load job's end: its keys unpinned and made the most recent in one pass.
-        keys = data.draw(st.lists(st.sampled_from(sorted(+self.busy)), max_size=3, unique=True))
+        # A load job's end: its keys unpinned and made the most recent in one pass (a key pinned
+        # twice may come twice).
+        drawn = data.draw(st.lists(st.sampled_from(sorted(+self.busy)), max_size=6))
+        keys = [key for i, key in enumerate(drawn) if drawn[: i + 1].count(key) <= self.busy[key]]
         self.index.unpin_all(keys, touch_or_add=size)
         for key in keys:
             self.busy[key] -= 1
+            self.sizes.setdefault(key, size)
+            self.make_hot(key)
+
+    @rule(data=st.data(), size=st.integers(1, 60))
+    def load_neighbours(self, data: st.DataObject, size: int) -> None:
+        # A job of chunks that follow one another in the recency order (stored or loaded together,
+        # what unpin_all moves in runs), perhaps with another key (held elsewhere, repeated, or
+        # not held at all) cutting it: pinned, then finished in one pass.
+        order = self.order()
+        start = data.draw(st.integers(0, len(order)))
+        job = order[start : data.draw(st.integers(start, min(len(order), start + 8)))]
+        if data.draw(st.booleans()):
+            job.insert(data.draw(st.integers(0, len(job))), data.draw(st.sampled_from(KEYS + job)))
+        self.index.pin_all(job)
+        self.index.unpin_all(job, touch_or_add=size)
+        for key in job:
             self.sizes.setdefault(key, size)
             self.make_hot(key)
 

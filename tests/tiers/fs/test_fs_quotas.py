@@ -52,6 +52,34 @@ def test_a_pool_at_its_budget_evicts_its_own_least_recent_chunks_and_nobody_else
     assert ix.quotas.evictions[b] == 1 and ix.quotas.evictions[a] == 0
 
 
+def test_a_loaded_chunk_becomes_its_pool_s_most_recent() -> None:
+    # A load job's end (unpin_all with touch_or_add) moves each chunk in its pool's list too, so a
+    # pool at its budget evicts what it used least recently, not what it just loaded.
+    ix = index({"a": 3 * S})
+    a = ix.quotas.pool_of("a")
+    for i in range(3):
+        put(ix, "a", i, a)
+    job = [k("a", 0), k("a", 1)]
+    ix.pin_all(job)
+    ix.unpin_all(job, touch_or_add=S)
+    assert ix.pool_keys(a) == [k("a", 2), k("a", 0), k("a", 1)]
+    assert put(ix, "a", 3, a) == [k("a", 2)]
+
+
+def test_a_cold_chunk_a_load_used_stays_evictable() -> None:
+    # A chunk the start-up scan found joins "default"'s list when a load uses it: it is still
+    # found (and evicted, least recent first) when room is needed.
+    ix = index({"a": 3 * S}, capacity=3 * S)
+    default, a = ix.quotas.pool_of("default"), ix.quotas.pool_of("a")
+    ix.add_cold([(k("c", i), S, time.time() - 100) for i in range(3)])
+    ix.pin_all([k("c", 0)])
+    ix.unpin_all([k("c", 0)], touch_or_add=S)
+    assert ix.pool_keys(default) == [k("c", 1), k("c", 2), k("c", 0)]
+    assert put(ix, "a", 0, a) == [k("c", 1)]
+    assert put(ix, "a", 1, a) == [k("c", 2)]
+    assert put(ix, "a", 2, a) == [k("c", 0)]
+
+
 def test_a_chunk_its_pool_cannot_make_room_for_is_refused() -> None:
     ix = index({"a": 2 * S})
     a = ix.quotas.pool_of("a")
