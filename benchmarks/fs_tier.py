@@ -62,17 +62,27 @@ else changes). Per chunk, in µs of CPU time of the thread that ran it (medians 
   (the job runner, the hand-off from the pool, the job's completion);
 * **hand-off**: the workers' CPU per chunk beyond the stages above (waking, queues, slices).
 
+**--loop**: the event loop's own CPU per load job, taken apart by what it waits for. One tier's
+load jobs (``--jobs`` at a time, 64 chunks each, the same chunks again and again) run three ways
+in rotation: with real reads; with the pool's workers answering each slice at once (the loop's
+hand-off to the pool and back, without I/O); and with the pool call answering on the loop itself
+(no threads at all). Per job it prints the loop thread's CPU and how many times the loop polled its
+selector (each wake-up of the loop is one), and the whole process's CPU per chunk beside it. The
+gap between the first two rows is what real I/O adds to the loop's work: wake-ups that come one
+job at a time, and the interpreter lock taken back from busy workers.
+
 A stage timer costs ~0.6 µs a call (calibrated and subtracted). Contention for the cores shows up in the
 stages where it lands (a shard directory's lock spun on counts in containment/open). Run it on a quiet machine:
 
     python benchmarks/fs_tier.py [--root DIR] [--jobs 4] [--threads 4] [--repeats 7] [--mode both]
-                                 [--sizes 256,2048] [--no-vllm] [--vllm-xxh3] [--profile]
+                                 [--sizes 256,2048] [--no-vllm] [--vllm-xxh3] [--profile | --loop]
     /tmp/vllm-venv/bin/python benchmarks/fs_tier.py      # with vLLM in a side virtualenv
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import gc
 import hashlib
@@ -93,6 +103,7 @@ from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -763,6 +774,95 @@ def profile_main(args: argparse.Namespace) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+async def loop_round(root: Path, host: SlotBuffer, geometry: KVGeometry, args: argparse.Namespace,
+                     buffered: bool) -> tuple[dict[str, list[tuple[float, float, float]]], bool]:
+    """``--loop``: per way of answering the pool (see the module docstring), per trial: the loop's
+    CPU µs per job, its selector polls per job, and the process's CPU µs per chunk; and whether
+    the tier chose ``O_DIRECT``."""
+    half = max(1, args.threads // 2)
+    config = TierConfig(index=0, type="fs", options={
+        "root_dir": str(root / "tier_loop"), "n_read_threads": half, "n_write_threads": max(1, args.threads - half)})
+    context = TierContext(index=0, label="1:fs", slot_bytes=host.slot_bytes, host=host, geometry=geometry,
+                          blocks_per_chunk=1, run_fields=geometry.run_fields(1))
+    tier = FileSystemTier(config, context)
+    keys = trial_keys("loop", args.jobs * CHUNKS_PER_JOB)
+    pool = tier._pool  # the tier's I/O pool: its run_slices is what the three ways replace
+    real = pool.run_slices
+
+    async def workers_only(queue: Any, fn: Any, items: Any) -> Any:
+        return await real(queue, lambda part: [integrity.ACCEPTED_VERIFIED] * len(part), items)
+
+    async def no_threads(queue: Any, fn: Any, items: Any) -> Any:
+        await anyio.lowlevel.checkpoint()
+        return [integrity.ACCEPTED_VERIFIED] * len(items)
+
+    ways: dict[str, Any] = {"real reads": real, "pool, no I/O": workers_only, "no pool": no_threads}
+    out: dict[str, list[tuple[float, float, float]]] = {way: [] for way in ways}
+    polls = [0]
+    with forced_buffered(buffered):
+        async with anyio.create_task_group() as tg:
+            await tg.start(tier.run)
+            try:
+                await run_tier_jobs(tier, host, keys, args.jobs, False)
+                selector = getattr(asyncio_loop_or_none(), "_selector", None)  # asyncio's: count its polls
+                if selector is not None:
+                    select = selector.select
+
+                    def counted(timeout: float | None = None) -> Any:
+                        polls[0] += 1
+                        return select(timeout)
+                    selector.select = counted
+                for _ in range(3):  # warm-up
+                    await run_tier_jobs(tier, host, keys, args.jobs, True)
+                for r in range(args.repeats * 8):
+                    for way, call in ways.items():
+                        pool.run_slices = call  # type: ignore[method-assign]
+                        polls[0] = 0
+                        loop0, cpu0 = time.thread_time(), time.process_time()
+                        await run_tier_jobs(tier, host, keys, args.jobs, True)
+                        loop_cpu, cpu = time.thread_time() - loop0, time.process_time() - cpu0
+                        out[way].append((1e6 * loop_cpu / args.jobs, polls[0] / args.jobs,
+                                         1e6 * cpu / (args.jobs * CHUNKS_PER_JOB)))
+            finally:
+                pool.run_slices = real  # type: ignore[method-assign]
+                await tier.aclose()
+    shutil.rmtree(root / "tier_loop")
+    return out, tier.o_direct
+
+
+def asyncio_loop_or_none() -> asyncio.AbstractEventLoop | None:
+    """The running asyncio event loop, or None on another backend."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def loop_main(args: argparse.Namespace) -> None:
+    """``--loop``: the loop's CPU per load job three ways (see :func:`loop_round`)."""
+    root = Path(args.root or tempfile.mkdtemp(prefix="kvtier-loop-"))
+    modes = {"auto": [False], "buffered": [True], "both": [False, True]}[args.mode]
+    print(f"fs tier, the event loop per load job: {args.jobs} jobs x 64 chunks at a time, {args.threads} threads, "
+          f"median of {args.repeats * 8} rotations")
+    try:
+        for buffered in modes:
+            for kib in (int(x) for x in args.sizes.split(",")):
+                slot_bytes = kib * 1024
+                host = SlotBuffer(min(args.jobs * 64, 256), slot_bytes, pin_memory=False)
+                try:
+                    host.array[:] = 0x5A
+                    rows, o_direct = anyio.run(loop_round, root, host, geometry_for(slot_bytes), args, buffered)
+                finally:
+                    host.close()
+                for way, trials in rows.items():
+                    loop_us, polls, cpu_us = (statistics.median(t[i] for t in trials) for i in range(3))
+                    print(f"{kib:>5} KiB {'O_DIRECT' if o_direct else 'buffered':>8} {way:>13}: loop {loop_us:5.0f} µs/job "
+                          f"({loop_us / CHUNKS_PER_JOB:4.1f} µs/chunk), {polls:.1f} selector polls/job; "
+                          f"process {cpu_us:5.1f} µs/chunk")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> None:
     logging.getLogger("kvtier.tiers.fs.tier").setLevel(logging.ERROR)  # the unbounded-tier warning
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -779,7 +879,17 @@ def main() -> None:
                              "costs in vLLM's own structure), and compare kvtier with that")
     parser.add_argument("--profile", action="store_true",
                         help="print the per-stage profile of kvtier's store and load paths instead of the comparison")
+    parser.add_argument("--loop", action="store_true",
+                        help="print the event loop's CPU per load job with real reads, with the pool answering "
+                             "at once, and with no pool, instead of the comparison")
     args = parser.parse_args()
+    if args.profile and args.loop:
+        parser.error("--profile and --loop are two different reports: give one")
+    if args.loop:
+        gc.collect()
+        gc.freeze()
+        loop_main(args)
+        return
     if args.profile:
         gc.collect()
         gc.freeze()

@@ -79,3 +79,23 @@ def test_fs_tier_refuses_vllm_xxh3_without_vllm(tmp_path: Path) -> None:
                           env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "--vllm-xxh3 runs vLLM with kvtier's checksum, but --no-vllm given" in proc.stderr
+
+
+def test_fs_tier_loop_report_takes_the_loop_apart_three_ways(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "fs_tier.py"), "--loop", "--repeats", "1", "--jobs", "1",
+                           "--sizes", "256", "--mode", "buffered"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("  256 KiB buffered")]
+    assert [row.split(":")[0].split("buffered")[1].strip() for row in rows] == [
+        "real reads", "pool, no I/O", "no pool"], proc.stdout
+    assert all("µs/job" in row and "selector polls/job" in row and "µs/chunk" in row for row in rows)
+
+
+def test_fs_tier_profile_and_loop_are_one_report_at_a_time(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "fs_tier.py"), "--loop", "--profile"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "--profile and --loop are two different reports: give one" in proc.stderr
