@@ -71,11 +71,23 @@ selector (each wake-up of the loop is one), and the whole process's CPU per chun
 gap between the first two rows is what real I/O adds to the loop's work: wake-ups that come one
 job at a time, and the interpreter lock taken back from busy workers.
 
+**--worker**: a worker's chunk read taken apart, outside the tier. The tier stores
+``min(--jobs × 64, 256)`` chunks, then threads that live through the run (one, then ``--threads``)
+read those files back four ways, in rotation, each one step closer to what the tier's workers do:
+``open+read`` (vLLM's way: open the path, ``preadv`` the payload, close); ``+xxh3-64`` (and the
+checksum of the slot); ``+trailer, openat2`` (the system calls a verified read makes, with no
+Python around them: ``openat2`` beneath the tree, one ``preadv`` of payload, trailer page and a
+spare page, close, the checksum); ``slice loader`` (the tier's own
+:func:`~kvtier.tiers.fs.chunks.slice_loader` over slices of 64, paths and trailer checks
+included). Per way the process's CPU µs per chunk (and wall µs), and the three differences: what
+the checksum costs, what the verification asks of the kernel beyond vLLM's read, and the Python
+the loader runs per chunk beyond both.
+
 A stage timer costs ~0.6 µs a call (calibrated and subtracted). Contention for the cores shows up in the
 stages where it lands (a shard directory's lock spun on counts in containment/open). Run it on a quiet machine:
 
     python benchmarks/fs_tier.py [--root DIR] [--jobs 4] [--threads 4] [--repeats 7] [--mode both]
-                                 [--sizes 256,2048] [--no-vllm] [--vllm-xxh3] [--profile | --loop]
+                                 [--sizes 256,2048] [--no-vllm] [--vllm-xxh3] [--profile | --loop | --worker]
     /tmp/vllm-venv/bin/python benchmarks/fs_tier.py      # with vLLM in a side virtualenv
 """
 
@@ -88,6 +100,7 @@ import gc
 import hashlib
 import importlib.util
 import logging
+import mmap
 import os
 import shutil
 import statistics
@@ -111,10 +124,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvtier.config import TierConfig
 from kvtier.host.slots import SlotBuffer
 from kvtier.keys import make_offload_key
-from kvtier.layout import KVGeometry, namespace
+from kvtier.layout import KVGeometry, Namespace, namespace
 from kvtier.tiers import integrity
 from kvtier.tiers.base import TierContext, TransferJob
-from kvtier.tiers.fs import chunks
+from kvtier.tiers.fs import beneath, chunks
 from kvtier.tiers.fs import tier as fs_tier_module
 from kvtier.tiers.fs.pool import usable_cpus
 from kvtier.tiers.fs.tier import FileSystemTier
@@ -863,6 +876,178 @@ def loop_main(args: argparse.Namespace) -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
+class Crew:
+    """``n`` threads that live as long as the crew and run ``fn(t, lo, hi)`` over contiguous shares
+    of ``range(total)`` (thread ``t`` gets the ``t``-th), released together: a worker's per-thread
+    state (the slice loader's scratch rows, a trailer page) is made once, as in the tier's pool,
+    not in every timed run."""
+
+    def __init__(self, n: int) -> None:
+        self._n = n
+        self._job: tuple[Callable[[int, int, int], None], int] | None = None
+        self._start = threading.Barrier(n + 1)
+        self._end = threading.Barrier(n + 1)
+        self._errors: list[BaseException] = []
+        self._threads = [threading.Thread(target=self._serve, args=(t,), daemon=True) for t in range(n)]
+        for thread in self._threads:
+            thread.start()
+
+    def _serve(self, t: int) -> None:
+        while True:
+            self._start.wait()
+            job = self._job
+            if job is None:
+                return
+            fn, total = job
+            try:
+                fn(t, t * total // self._n, (t + 1) * total // self._n)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by run()
+                self._errors.append(exc)
+            self._end.wait()
+
+    def run(self, fn: Callable[[int, int, int], None], total: int) -> Timing:
+        self._job = (fn, total)
+        watch = Stopwatch()
+        self._start.wait()
+        self._end.wait()
+        timing = watch.stop()
+        if self._errors:
+            raise self._errors.pop()
+        return timing
+
+    def close(self) -> None:
+        self._job = None
+        self._start.wait()
+        for thread in self._threads:
+            thread.join()
+
+
+#: ``--worker``'s ways of reading a chunk, each one step closer to the tier's slice loader.
+WORKER_WAYS = ("open+read", "+xxh3-64", "+trailer, openat2", "slice loader")
+
+
+async def stored_tier_files(root: Path, host: SlotBuffer, geometry: KVGeometry, args: argparse.Namespace,
+                            keys: list[bytes], buffered: bool) -> tuple[str, bool, bytes]:
+    """Store ``keys`` (from the host's slots) through a real fs tier under ``root``; its blocks
+    directory, whether it chose ``O_DIRECT``, and its run fingerprint."""
+    half = max(1, args.threads // 2)
+    config = TierConfig(index=0, type="fs", options={
+        "root_dir": str(root), "n_read_threads": half, "n_write_threads": max(1, args.threads - half)})
+    context = TierContext(index=0, label="1:fs", slot_bytes=host.slot_bytes, host=host, geometry=geometry,
+                          blocks_per_chunk=1, run_fields=geometry.run_fields(1))
+    tier = FileSystemTier(config, context)
+    with forced_buffered(buffered):
+        async with anyio.create_task_group() as tg:
+            await tg.start(tier.run)
+            try:
+                await run_tier_jobs(tier, host, keys, len(keys) // CHUNKS_PER_JOB, False)
+            finally:
+                await tier.aclose()
+    return tier.namespace.blocks_dir, tier.o_direct, tier.namespace.fingerprint
+
+
+def worker_round(root: Path, host: SlotBuffer, geometry: KVGeometry, args: argparse.Namespace, buffered: bool,
+                 threads: int) -> tuple[dict[str, list[Timing]], bool, int]:
+    """``--worker``: the tier's chunk files read :data:`WORKER_WAYS` in ``threads`` threads, in
+    rotation; per way its timings, whether the files are read with ``O_DIRECT``, and the chunk count."""
+    n = host.num_slots - host.num_slots % CHUNKS_PER_JOB
+    keys = trial_keys("worker", n)
+    blocks_dir, o_direct, fingerprint = anyio.run(stored_tier_files, root / "tier_worker", host, geometry, args,
+                                                   keys, buffered)
+    views = [host.view(i) for i in range(n)]
+    relpaths = Namespace.chunk_relpaths(keys)  # made before the clock: the loader makes its own
+    paths = [os.path.join(os.fsencode(blocks_dir), relpath) for relpath in relpaths]
+    plain_flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if o_direct else 0)  # as vLLM opens
+    raw = beneath.raw_opener(plain_flags | getattr(os, "O_NOATIME", 0))  # as the loader opens
+    if raw is None:
+        raise SystemExit("--worker needs openat2 (Linux 5.6 or later): the slice loader declines every chunk without it")
+    openat2, nr, how, how_size = raw
+    loader = chunks.slice_loader(o_direct, fingerprint)
+    # Per thread: a page for the trailer and a spare one after it (page aligned, as O_DIRECT needs).
+    scratch = [mmap.mmap(-1, 2 * chunks.TRAILER_PAGE) for _ in range(threads)]
+    pages = [(memoryview(m)[: chunks.TRAILER_PAGE], memoryview(m)[chunks.TRAILER_PAGE :]) for m in scratch]
+    dir_fd = os.open(blocks_dir, os.O_RDONLY | os.O_DIRECTORY)
+    preadv, close = os.preadv, os.close
+
+    def plain(t: int, lo: int, hi: int) -> None:  # vLLM's way: open the path, read the payload
+        for i in range(lo, hi):
+            fd = os.open(paths[i], plain_flags)
+            try:
+                preadv(fd, [views[i]], 0)
+            finally:
+                close(fd)
+
+    def hashed(t: int, lo: int, hi: int) -> None:
+        for i in range(lo, hi):
+            fd = os.open(paths[i], plain_flags)
+            try:
+                preadv(fd, [views[i]], 0)
+            finally:
+                close(fd)
+            checksum(views[i])
+
+    def verifying_calls(t: int, lo: int, hi: int) -> None:  # what the loader asks of the kernel, no more
+        page, spare = pages[t]
+        for i in range(lo, hi):
+            fd = openat2(nr, dir_fd, relpaths[i], how, how_size)
+            try:
+                preadv(fd, [views[i], page, spare], 0)
+            finally:
+                close(fd)
+            checksum(views[i])
+
+    def sliced(t: int, lo: int, hi: int) -> None:
+        for start in range(lo, hi, CHUNKS_PER_JOB):
+            end = min(hi, start + CHUNKS_PER_JOB)
+            if not all(loader(dir_fd, keys[start:end], views[start:end])):
+                raise RuntimeError("the slice loader refused a chunk the tier had just stored")
+
+    ways = dict(zip(WORKER_WAYS, (plain, hashed, verifying_calls, sliced)))
+    out: dict[str, list[Timing]] = {way: [] for way in ways}
+    crew = Crew(threads)
+    try:
+        for fn in ways.values():  # warm-up: every thread's scratch made, the tree's dentries cached
+            crew.run(fn, n)
+        names = list(ways)
+        for r in range(args.repeats * 8):
+            for way in names[r % len(names):] + names[: r % len(names)]:
+                out[way].append(crew.run(ways[way], n))
+    finally:
+        crew.close()
+        os.close(dir_fd)
+        shutil.rmtree(root / "tier_worker")
+    return out, o_direct, n
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    """``--worker``: a worker's chunk read taken apart (see :func:`worker_round`)."""
+    root = Path(args.root or tempfile.mkdtemp(prefix="kvtier-worker-"))
+    modes = {"auto": [False], "buffered": [True], "both": [False, True]}[args.mode]
+    print(f"fs tier, a worker's chunk read taken apart: the tier's own files, CPU µs per chunk (wall µs per chunk "
+          f"in brackets), median of {args.repeats * 8} rotations")
+    try:
+        for buffered in modes:
+            for kib in (int(x) for x in args.sizes.split(",")):
+                slot_bytes = kib * 1024
+                for threads in sorted({1, args.threads}):
+                    host = SlotBuffer(min(args.jobs * 64, 256), slot_bytes, pin_memory=False)
+                    try:
+                        host.array[:] = 0x5A
+                        rows, o_direct, n = worker_round(root, host, geometry_for(slot_bytes), args, buffered, threads)
+                    finally:
+                        host.close()
+                    cpu = {way: 1e6 * statistics.median(t.cpu for t in trials) / n for way, trials in rows.items()}
+                    wall = {way: 1e6 * statistics.median(t.wall for t in trials) / n for way, trials in rows.items()}
+                    mode = "O_DIRECT" if o_direct else "buffered"
+                    cells = "  ".join(f"{way} {cpu[way]:5.1f} ({wall[way]:5.1f})" for way in WORKER_WAYS)
+                    print(f"{kib:>5} KiB {mode:>8} {threads} thread{'s' if threads > 1 else ' '}: {cells}")
+                    checksum_us, calls_us, python_us = (cpu[b] - cpu[a] for a, b in zip(WORKER_WAYS, WORKER_WAYS[1:]))
+                    print(f"{'':>28}checksum {checksum_us:5.1f}, the verification's system calls {calls_us:5.1f}, "
+                          f"the loader's Python {python_us:5.1f} µs/chunk")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> None:
     logging.getLogger("kvtier.tiers.fs.tier").setLevel(logging.ERROR)  # the unbounded-tier warning
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -882,9 +1067,19 @@ def main() -> None:
     parser.add_argument("--loop", action="store_true",
                         help="print the event loop's CPU per load job with real reads, with the pool answering "
                              "at once, and with no pool, instead of the comparison")
+    parser.add_argument("--worker", action="store_true",
+                        help="print a worker's chunk read taken apart (plain read, checksum, the verification's "
+                             "system calls, the slice loader), in one thread and in --threads, instead of the "
+                             "comparison")
     args = parser.parse_args()
-    if args.profile and args.loop:
-        parser.error("--profile and --loop are two different reports: give one")
+    reports = [name for name in ("--profile", "--loop", "--worker") if getattr(args, name[2:])]
+    if len(reports) > 1:
+        parser.error(f"{' and '.join(reports)} are separate reports: give one")
+    if args.worker:
+        gc.collect()
+        gc.freeze()
+        worker_main(args)
+        return
     if args.loop:
         gc.collect()
         gc.freeze()

@@ -93,9 +93,24 @@ def test_fs_tier_loop_report_takes_the_loop_apart_three_ways(tmp_path: Path) -> 
     assert all("µs/job" in row and "selector polls/job" in row and "µs/chunk" in row for row in rows)
 
 
-def test_fs_tier_profile_and_loop_are_one_report_at_a_time(tmp_path: Path) -> None:
+def test_fs_tier_worker_report_takes_a_chunk_read_apart(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TMPDIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, str(BENCHMARKS / "fs_tier.py"), "--loop", "--profile"], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "fs_tier.py"), "--worker", "--repeats", "1", "--jobs", "1",
+                           "--threads", "2", "--sizes", "64", "--mode", "buffered"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("   64 KiB buffered")]
+    assert [row.split(":")[0].split("buffered")[1].strip() for row in rows] == ["1 thread", "2 threads"], proc.stdout
+    for row in rows:
+        assert [way for way in ("open+read", "+xxh3-64", "+trailer, openat2", "slice loader") if way in row] == [
+            "open+read", "+xxh3-64", "+trailer, openat2", "slice loader"], row
+    assert proc.stdout.count("the verification's system calls") == 2, proc.stdout
+
+
+@pytest.mark.parametrize("reports", [["--loop", "--profile"], ["--worker", "--loop"]])
+def test_fs_tier_reports_are_one_at_a_time(reports: list[str], tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TMPDIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "fs_tier.py"), *reports], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "--profile and --loop are two different reports: give one" in proc.stderr
+    assert "are separate reports: give one" in proc.stderr
