@@ -35,7 +35,8 @@ verification itself, each in its own structure.
 
 A second table gives the CPU each contender spends per GiB moved (process user + system time, all
 threads), with two parts of kvtier's: its event-loop thread and the xxh3-64 checksum (measured
-alone, on cache-hot and cold slots). Where every core is busy — page-cache I/O on a small machine —
+alone, on cache-hot and cold slots); with vLLM, also the CPU of the thread that submits vLLM's
+jobs and waits for them (what kvtier's loop stands in for). Where every core is busy — page-cache I/O on a small machine —
 throughput is this figure turned upside down, so it tells what an unfavourable ratio is made of.
 The collector's heap is frozen after start-up (``gc.freeze()``), as vLLM's engine core does.
 
@@ -544,7 +545,8 @@ def print_tables(rows: list[Row], with_vllm: bool) -> None:
     print("CPU per GiB moved, ms (the whole process, user + system, all threads; median of the trials)")
     header = f"{'chunk':>8} {'op':>6} {'I/O mode':>9} {'raw':>7}" + (f" {'vLLM':>7}" if with_vllm else "")
     header += f" {'kvtier':>7} {'kvtier/raw':>11}" + (f" {'kvtier/vLLM':>12}" if with_vllm else "")
-    header += f" | {'kvtier loop':>11} {'xxh3 hot':>9} {'xxh3 cold':>10}"
+    header += f" | {'kvtier loop':>11}" + (f" {'vLLM submit':>11}" if with_vllm else "")
+    header += f" {'xxh3 hot':>9} {'xxh3 cold':>10}"
     print(header)
     for row in rows:
         ours = row.kvtier.cpu_ms_per_gib
@@ -555,10 +557,16 @@ def print_tables(rows: list[Row], with_vllm: bool) -> None:
         if with_vllm:
             line += f" {ours / row.vllm.cpu_ms_per_gib:>12.2f}" if row.vllm is not None else f" {'-':>12}"
         hot, cold = row.xxh3_ms_per_gib
-        line += f" | {row.kvtier.thread_cpu_ms_per_gib:>11.0f} {hot:>9.0f} {cold:>10.0f}"
+        line += f" | {row.kvtier.thread_cpu_ms_per_gib:>11.0f}"
+        if with_vllm:  # the thread that submits vLLM's jobs and waits in drain_jobs
+            line += f" {row.vllm.thread_cpu_ms_per_gib:>11.0f}" if row.vllm is not None else f" {'-':>11}"
+        line += f" {hot:>9.0f} {cold:>10.0f}"
         print(line)
     print("xxh3: a load verifies each chunk after reading it (cache-hot after a page-cache copy, cold after "
           "O_DIRECT); a store computes it for the trailer from the host slot (cold)")
+    if with_vllm:
+        print("kvtier loop / vLLM submit: the CPU of kvtier's event-loop thread, and of the thread that submits "
+              "vLLM's jobs and waits for them")
 
 
 def print_checksummed_table(rows: list[Row]) -> None:
