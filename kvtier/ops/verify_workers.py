@@ -185,9 +185,9 @@ class Checker:
     are checked, in the order the batches were submitted, one call at a time, on the thread that
     checked the file that completed it and the batches before it. :meth:`close` waits for every
     batch. A check that fails on a thread (:func:`check_file` raising: this process's trouble,
-    or a bug) calls ``on_error`` with the exception if given (a worker process exits there);
-    from then on nothing more is checked or reported, and :meth:`submit` and :meth:`close`
-    raise it.
+    or a bug) calls ``on_error`` with the exception if given (a worker process exits there),
+    before the failure shows anywhere else; from then on nothing more is checked or reported,
+    and :meth:`submit` and :meth:`close` raise it.
 
     How many reads reach the storage at once: ``depth`` on the threads, and for each file queued
     for them (up to ``depth``) the readahead the kernel started when it was found not cached.
@@ -289,12 +289,14 @@ class Checker:
                                                   **codec)]
                 self._settle(batch, 1, handed_over=True)
             except BaseException as exc:  # not a file's fault: its batch is never done
-                self._error = exc
+                # ``on_error`` first: a worker process exits there with its own status, which
+                # must not race with its main thread seeing the failure and exiting otherwise.
                 if self._on_error is not None:
                     try:
                         self._on_error(exc)
                     except BaseException:  # it was told; what it raised changes nothing here
                         pass
+                self._error = exc
 
     def _settle(self, batch: _Batch, checked: int, *, handed_over: bool = False) -> None:
         with self._lock:

@@ -525,15 +525,26 @@ def test_a_full_request_fits_a_pipe_so_sending_never_waits_for_a_busy_worker() -
     assert len(msgspec.msgpack.encode(request)) + 4 <= 65536
 
 
+@pytest.mark.parametrize("slow", [False, True], ids=["at once", "dying slowly while the next file is handed over"])
 def test_a_worker_whose_reader_thread_fails_exits_and_fails_the_check(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+        slow: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     tree = build(tmp_path, list(range(4)))
     chunk(tree, 0).write_bytes(b"short")  # a real problem that --repair would remove
-    # Workers whose files all seem to be on the storage, and whose reader threads then fail.
-    boot = ("import sys; sys.path[:0] = sys.argv[4:]; from kvtier.ops import verify_workers as vw\n"
+    # Workers whose files all seem to be on the storage, and whose reader threads then fail. Slow:
+    # the worker's main thread takes a while to find each next file on the storage, and the failed
+    # reader a while to print its traceback, so the main thread hands the next file over while
+    # the reader is still dying; the worker's status must still say a reader failed.
+    boot = ("import sys, time, traceback; sys.path[:0] = sys.argv[4:]; from kvtier.ops import verify_workers as vw\n"
+            f"slow = {slow}\n"
             "def failing(*args, nowait=False):\n"
-            "    if nowait: raise BlockingIOError(11, 'on the storage')\n"
+            "    if nowait:\n"
+            "        time.sleep(0.3 if slow else 0)\n"
+            "        raise BlockingIOError(11, 'on the storage')\n"
             "    raise RuntimeError('reader thread bug')\n"
+            "def print_slowly(exc, _print=traceback.print_exception):\n"
+            "    time.sleep(1.5 if slow else 0)\n"
+            "    _print(exc)\n"
+            "vw.traceback.print_exception = print_slowly\n"
             "vw.check_file = failing; vw.worker_main(sys.argv[1:4])")
     monkeypatch.setattr(verify_workers, "_BOOT", boot)
     status, out = cli(run_verify_cli, str(tmp_path), "--workers", "2", "--repair")
