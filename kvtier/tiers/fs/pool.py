@@ -1,9 +1,10 @@
 """The dual-queue thread pool the fs tier runs its blocking file work on.
 
 ``n_read`` read-priority and ``n_write`` write-priority threads over two FIFO queues
-(:class:`IOQueue`); a whole job's chunks go in together (:meth:`DualQueuePool.run_batch`) and the
-event loop is woken once per job, never once per chunk. See :class:`DualQueuePool` for
-cancellation, back-pressure and the hand-off to the loop.
+(:class:`IOQueue`); a whole job's chunks go in together (:meth:`DualQueuePool.run_slices`), are
+cut into slices only when workers would otherwise idle, and the event loop is woken once per job,
+never once per chunk. See :class:`DualQueuePool` for cancellation, back-pressure and the hand-off
+to the loop.
 """
 
 from __future__ import annotations
@@ -65,13 +66,20 @@ class _Task(_Waitable, Generic[T]):
 
 
 class _Batch(_Waitable):
-    """Tasks submitted together; the loop is woken once, when the last one finished."""
+    """Tasks submitted together; the loop is woken once, when the last one finished.
 
-    __slots__ = ("remaining",)
+    ``tasks`` are its slices in item order (one, until the worker that takes it cuts it), and
+    ``cut`` says whether that worker has decided yet; all three change under the pool's lock.
+    """
 
-    def __init__(self, size: int) -> None:
+    __slots__ = ("remaining", "queue", "tasks", "cut")
+
+    def __init__(self, queue: IOQueue) -> None:
         super().__init__()
-        self.remaining = size
+        self.remaining = 1
+        self.queue = queue
+        self.tasks: list[_Task[Any]] = []
+        self.cut = False
 
 
 def usable_cpus() -> int:
@@ -113,8 +121,10 @@ class DualQueuePool:
 
     A worker takes from its own queue when it is non-empty and otherwise *steals* from the other
     one, so a burst of stores never leaves the read workers idle (and vice versa) while each
-    direction keeps its reserved workers. Every task is queued separately, so the tasks of one
-    :meth:`run_batch` (one job's chunks) run in parallel across workers.
+    direction keeps its reserved workers. A :meth:`run_slices` batch (one job's chunks) is queued
+    whole; the worker that takes it cuts it into slices for the workers that would otherwise idle
+    (see there), so one job alone runs in parallel across workers and a burst of jobs costs one
+    hand-off each.
 
     Hand-off to the event loop: a worker never waits for the loop. Finished work is collected
     under the pool's lock and the loop is woken with a non-blocking ``run_sync_soon`` (asyncio
@@ -134,7 +144,7 @@ class DualQueuePool:
             raise ValueError(f"batch_slices must be ≥ 1, got {batch_slices}")
         self._n_read = n_read
         self._n_write = n_write
-        #: How many slices :meth:`run_batch` cuts a batch into (see there).
+        #: The most slices :meth:`run_slices` cuts a batch into (see there).
         self.batch_slices = batch_slices or min(n_read + n_write, usable_cpus())
         self._name = name
         self._cond = threading.Condition()
@@ -208,9 +218,16 @@ class DualQueuePool:
 
         Returns one result per item: what ``fn`` returned for it, or the exception that ended
         its slice (``fn`` raising, or returning a result count other than the slice's, fails
-        every item of that slice only). ``items`` are cut into :attr:`batch_slices` slices of
-        consecutive items, each run by one worker; the caller is woken ONCE, when the last slice
-        finished.
+        every item of that slice only). The caller is woken ONCE, when the last slice finished.
+
+        Slices: ``items`` are queued as one task. The worker that takes it counts the workers
+        that nothing else queued will occupy and cuts the items into that many more slices of
+        consecutive items (at most :attr:`batch_slices` in all), runs the first and puts the rest
+        at the head of the queue. A job alone thus runs on as many workers as there are slices,
+        while a burst of jobs — as many as the workers, or more — goes one job per worker, each
+        with one hand-off: at page-cache speeds a hand-off costs about what a chunk read does,
+        and on a small machine the workers of several jobs already fill the cores.
+
         Cancellation as in :meth:`run`: queued slices are withdrawn and never run, running ones
         are waited for (shielded), then the cancellation propagates — afterwards no thread
         touches any item.
@@ -218,24 +235,18 @@ class DualQueuePool:
         """
         if not items:
             return []
-        # Slices, not single calls: one lock/wake-up/result per slice rather than per chunk (a
-        # page-cache read of a chunk costs about as much as a hand-off). As many slices as CPU
-        # cores by default: page-cache copies and checksums are CPU work, so more threads on one
-        # batch than cores only add switching.
-        size = max(1, -(-len(items) // self.batch_slices))
-        slices = [items[i : i + size] for i in range(0, len(items), size)]
-        batch = _Batch(len(slices))
-        tasks: list[_Task[Sequence[T]]] = [_Task(fn, (part,), batch) for part in slices]
+        batch = _Batch(queue)
+        batch.tasks.append(_Task(fn, (items,), batch))
         with self._cond:
             if self._stopping or not self._threads:
                 raise anyio.ClosedResourceError("I/O pool is not running")
-            self._queues[queue].extend(tasks)
-            self._cond.notify(len(tasks))
+            self._queues[queue].append(batch.tasks[0])
+            self._cond.notify()
         try:
             await batch.done.wait()
         except BaseException:
             with self._cond:
-                withdrawn = [t for t in tasks if t.state is _State.QUEUED]
+                withdrawn = [t for t in batch.tasks if t.state is _State.QUEUED]
                 if withdrawn:
                     ids = {id(t) for t in withdrawn}
                     q = self._queues[queue]
@@ -251,7 +262,8 @@ class DualQueuePool:
                     await batch.done.wait()
             raise
         results: list[T | BaseException] = []
-        for task, part in zip(tasks, slices):
+        for task in batch.tasks:
+            part = task.args[0]
             error = task.error
             if error is None:
                 assert task.result is not None
@@ -307,6 +319,10 @@ class DualQueuePool:
                 task = mine.popleft() if mine else theirs.popleft()
                 task.state = _State.RUNNING
                 self._running += 1
+                batch = task.batch
+                if batch is not None and not batch.cut:
+                    self._cut_locked(batch, len(mine) + len(theirs))
+                del batch
             try:
                 task.result = task.fn(*task.args)
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
@@ -319,6 +335,30 @@ class DualQueuePool:
             del task
             if need_wake:
                 self._wake_loop()
+
+    def _cut_locked(self, batch: _Batch, queued: int) -> None:
+        """Cut ``batch``'s one task (just taken, lock held) into slices for the workers that
+        the ``queued`` tasks leave idle; the slices after the first go to the queue's head."""
+        batch.cut = True
+        idle = self._n_read + self._n_write - self._running - queued
+        if idle <= 0:
+            return
+        task = batch.tasks[0]
+        items = task.args[0]
+        parts = min(self.batch_slices, 1 + idle, len(items))
+        if parts < 2:
+            return
+        # Slices, not single calls: one lock/wake-up/result per slice rather than per chunk (a
+        # page-cache read of a chunk costs about as much as a hand-off). As many slices as CPU
+        # cores by default: page-cache copies and checksums are CPU work, so more threads on one
+        # batch than cores only add switching.
+        size = -(-len(items) // parts)
+        task.args = (items[:size],)
+        rest = [_Task(task.fn, (items[i : i + size],), batch) for i in range(size, len(items), size)]
+        batch.tasks.extend(rest)
+        batch.remaining += len(rest)
+        self._queues[batch.queue].extendleft(reversed(rest))
+        self._cond.notify(len(rest))
 
     def _settle_locked(self, task: _Task[Any]) -> bool:
         """Record ``task`` as done (lock held); True when the caller must wake the loop."""

@@ -397,8 +397,8 @@ class FileSystemTier(SecondaryTier):
                 self._stale_tmp.inc(stale)
             self.o_direct = await self._pool.run(IOQueue.WRITE, chunks.probe_o_direct, self._dir_fd)
             if self.o_direct:
-                # O_DIRECT transfers wait on the device, not on a CPU: give a job to every worker
-                # (the pool's default, one slice per core, suits page-cache copies).
+                # O_DIRECT transfers wait on the device, not on a CPU: a job alone may use every
+                # worker (the pool's default, one slice per core, suits page-cache copies).
                 self._pool.batch_slices = self.n_read_threads + self.n_write_threads
             else:
                 logger.warning("tier %s: O_DIRECT is not available under %s; using buffered I/O",
@@ -613,8 +613,8 @@ class FileSystemTier(SecondaryTier):
             raise error
 
     async def write_many(self, items: Sequence[tuple[bytes, memoryview]]) -> list[BaseException | None]:
-        """Store a whole job: chunks spread over the pool workers in slices (``run_batch``), and
-        the loop is woken once, when the last one finished.
+        """Store a whole job: one pool batch (``run_batch``, cut into slices for idle workers), and
+        the loop is woken once, when the last chunk finished.
 
         Space is reserved (and victims chosen) for each chunk before any I/O, in job order, which
         is also the recency order; a chunk whose reservation fails (``no_space``) is not written.
@@ -682,8 +682,8 @@ class FileSystemTier(SecondaryTier):
                     index.add(key, int(result))
 
     async def read_many(self, items: Sequence[tuple[bytes, memoryview]]) -> list[BaseException | None]:
-        """Load a whole job: chunks spread over the pool workers in slices (``run_batch``), one
-        wake-up of the loop per job. Each chunk is read into its slot and verified on the worker;
+        """Load a whole job: one pool batch (``run_slices``, cut into slices for idle workers),
+        one wake-up of the loop per job. Each chunk is read into its slot and verified on the worker;
         per chunk the outcome is ``None``, :class:`ChunkNotFound` or :class:`ChunkCorrupt` (the
         file was removed, the slot zeroed) or the ``OSError``. Chunks being read are never evicted.
 

@@ -6,7 +6,7 @@ import errno
 import hashlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import anyio
@@ -575,17 +575,17 @@ async def test_a_batch_wakes_the_loop_once_not_once_per_call(monkeypatch: pytest
 
 
 @pytest.mark.anyio
-async def test_cancelling_a_batch_withdraws_queued_calls_and_waits_for_running_ones() -> None:
-    # Calls are queued in `batch_slices` slices of `size` calls.
-    n_slices = 4
-    pool = DualQueuePool(1, 1, batch_slices=n_slices)
+async def test_cancelling_batches_withdraws_queued_slices_and_waits_for_running_ones() -> None:
+    # A batch alone on a pool of two workers is cut in two slices, one per worker; a second
+    # batch then waits in the queue, whole.
+    pool = DualQueuePool(1, 1, batch_slices=4)
     size = 3
     started, release = threading.Barrier(3, timeout=10), threading.Event()
     ran: list[int] = []
 
     def call(i: int) -> None:
         if i in (0, size):
-            started.wait()  # the first two slices occupy both workers
+            started.wait()  # the two slices of the first batch occupy both workers
             release.wait(10)
         ran.append(i)
 
@@ -593,21 +593,91 @@ async def test_cancelling_a_batch_withdraws_queued_calls_and_waits_for_running_o
     try:
         with anyio.CancelScope() as scope:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(pool.run_batch, IOQueue.WRITE, call, [(i,) for i in range(size * n_slices)])
+                tg.start_soon(pool.run_batch, IOQueue.WRITE, call, [(i,) for i in range(2 * size)])
                 await anyio.to_thread.run_sync(started.wait)
-                assert pool.statistics().queued_writes == n_slices - 2
+                tg.start_soon(pool.run_batch, IOQueue.WRITE, call, [(i,) for i in range(100, 100 + 4 * size)])
+                with anyio.fail_after(5):
+                    while pool.statistics().queued_writes != 1:
+                        await anyio.sleep(0.001)
                 scope.cancel()
                 with anyio.CancelScope(shield=True):
-                    with anyio.fail_after(5):  # hang guard: the queued slices are withdrawn
+                    with anyio.fail_after(5):  # hang guard: the queued batch is withdrawn
                         while pool.statistics().queued_writes:
                             await anyio.sleep(0.001)
                 release.set()
-        # returned only after the running slices finished; the queued ones never ran
+        # returned only after the running slices finished; the queued batch never ran
         assert sorted(ran) == list(range(2 * size))
         assert pool.statistics().queued_writes == 0
     finally:
         await pool.aclose()
     assert sorted(ran) == list(range(2 * size))
+
+
+@pytest.mark.anyio
+async def test_batches_that_find_every_worker_busy_or_spoken_for_run_whole() -> None:
+    pool = DualQueuePool(1, 1, batch_slices=2)
+    hold, held = threading.Event(), threading.Barrier(3, timeout=10)
+    both_running = threading.Barrier(2, timeout=10)  # a batch's worker is still on it when the other starts
+    parts: list[list[int]] = []
+
+    def blocker() -> None:
+        held.wait()
+        hold.wait(10)
+
+    def record(part: Sequence[int]) -> list[int]:
+        parts.append(list(part))
+        both_running.wait()
+        return list(part)
+
+    pool.start()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.run, IOQueue.READ, blocker)
+            tg.start_soon(pool.run, IOQueue.WRITE, blocker)
+            await anyio.to_thread.run_sync(held.wait)  # both workers busy
+            outcomes: dict[int, list[int | BaseException]] = {}
+
+            async def batch(first: int) -> None:
+                outcomes[first] = await pool.run_slices(IOQueue.READ, record, list(range(first, first + 8)))
+
+            tg.start_soon(batch, 0)
+            tg.start_soon(batch, 10)
+            with anyio.fail_after(5):
+                while pool.statistics().queued_reads != 2:
+                    await anyio.sleep(0.001)
+            hold.set()
+    finally:
+        await pool.aclose()
+    # Two batches for two workers: each worker takes one whole, whatever the other is doing then.
+    assert sorted(parts) == [list(range(8)), list(range(10, 18))]
+    assert outcomes == {0: list(range(8)), 10: list(range(10, 18))}
+
+
+@pytest.mark.anyio
+async def test_a_batch_is_cut_for_the_idle_workers_only() -> None:
+    pool = DualQueuePool(2, 2, batch_slices=4)
+    hold, held = threading.Event(), threading.Event()
+    parts: list[list[int]] = []
+
+    def blocker() -> None:
+        held.set()
+        hold.wait(10)
+
+    def record(part: Sequence[int]) -> list[int]:
+        parts.append(list(part))
+        return list(part)
+
+    pool.start()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.run, IOQueue.WRITE, blocker)
+            await anyio.to_thread.run_sync(held.wait)
+            # One of four workers busy: the batch's worker and the two idle ones share it.
+            assert await pool.run_slices(IOQueue.READ, record, list(range(8))) == list(range(8))
+            hold.set()
+    finally:
+        await pool.aclose()
+    assert sorted(parts) == [[0, 1, 2], [3, 4, 5], [6, 7]]
 
 
 @pytest.mark.anyio
