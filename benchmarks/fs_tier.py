@@ -68,9 +68,11 @@ load jobs (``--jobs`` at a time, 64 chunks each, the same chunks again and again
 in rotation: with real reads; with the pool's workers answering each slice at once (the loop's
 hand-off to the pool and back, without I/O); and with the pool call answering on the loop itself
 (no threads at all). Per job it prints the loop thread's CPU and how many times the loop polled its
-selector (each wake-up of the loop is one), and the whole process's CPU per chunk beside it. The
+selector (each wake-up of the loop is one) with the loop's CPU inside those polls (the system
+call, and taking the interpreter lock back), and the whole process's CPU per chunk beside it. The
 gap between the first two rows is what real I/O adds to the loop's work: wake-ups that come one
-job at a time, and the interpreter lock taken back from busy workers.
+job at a time, the interpreter lock taken back from busy workers, and the same Python run slower
+beside workers that copy and hash on the other cores.
 
 **--worker**: a worker's chunk read taken apart, outside the tier. The tier stores
 ``min(--jobs × 64, 256)`` chunks, then threads that live through the run (one, then ``--threads``)
@@ -818,8 +820,8 @@ async def loop_round(root: Path, host: SlotBuffer, geometry: KVGeometry, args: a
         return [integrity.ACCEPTED_VERIFIED] * len(items)
 
     ways: dict[str, Any] = {"real reads": real, "pool, no I/O": workers_only, "no pool": no_threads}
-    out: dict[str, list[tuple[float, float, float]]] = {way: [] for way in ways}
-    polls = [0]
+    out: dict[str, list[tuple[float, float, float, float]]] = {way: [] for way in ways}
+    polls, in_select = [0], [0.0]
     with forced_buffered(buffered):
         async with anyio.create_task_group() as tg:
             await tg.start(tier.run)
@@ -831,19 +833,23 @@ async def loop_round(root: Path, host: SlotBuffer, geometry: KVGeometry, args: a
 
                     def counted(timeout: float | None = None) -> Any:
                         polls[0] += 1
-                        return select(timeout)
+                        before = time.thread_time()
+                        try:
+                            return select(timeout)
+                        finally:
+                            in_select[0] += time.thread_time() - before
                     selector.select = counted
                 for _ in range(3):  # warm-up
                     await run_tier_jobs(tier, host, keys, args.jobs, True)
                 for r in range(args.repeats * 8):
                     for way, call in ways.items():
                         pool.run_slices = call  # type: ignore[method-assign]
-                        polls[0] = 0
+                        polls[0], in_select[0] = 0, 0.0
                         loop0, cpu0 = time.thread_time(), time.process_time()
                         await run_tier_jobs(tier, host, keys, args.jobs, True)
                         loop_cpu, cpu = time.thread_time() - loop0, time.process_time() - cpu0
                         out[way].append((1e6 * loop_cpu / args.jobs, polls[0] / args.jobs,
-                                         1e6 * cpu / (args.jobs * CHUNKS_PER_JOB)))
+                                         1e6 * cpu / (args.jobs * CHUNKS_PER_JOB), 1e6 * in_select[0] / args.jobs))
             finally:
                 pool.run_slices = real  # type: ignore[method-assign]
                 await tier.aclose()
@@ -876,10 +882,10 @@ def loop_main(args: argparse.Namespace) -> None:
                 finally:
                     host.close()
                 for way, trials in rows.items():
-                    loop_us, polls, cpu_us = (statistics.median(t[i] for t in trials) for i in range(3))
+                    loop_us, polls, cpu_us, select_us = (statistics.median(t[i] for t in trials) for i in range(4))
                     print(f"{kib:>5} KiB {'O_DIRECT' if o_direct else 'buffered':>8} {way:>13}: loop {loop_us:5.0f} µs/job "
-                          f"({loop_us / CHUNKS_PER_JOB:4.1f} µs/chunk), {polls:.1f} selector polls/job; "
-                          f"process {cpu_us:5.1f} µs/chunk")
+                          f"({loop_us / CHUNKS_PER_JOB:4.1f} µs/chunk), {polls:.1f} selector polls/job "
+                          f"({select_us:3.0f} µs in them); process {cpu_us:5.1f} µs/chunk")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

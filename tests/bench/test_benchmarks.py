@@ -90,7 +90,7 @@ def test_fs_tier_loop_report_takes_the_loop_apart_three_ways(tmp_path: Path) -> 
     rows = [line for line in proc.stdout.splitlines() if line.startswith("  256 KiB buffered")]
     assert [row.split(":")[0].split("buffered")[1].strip() for row in rows] == [
         "real reads", "pool, no I/O", "no pool"], proc.stdout
-    assert all("µs/job" in row and "selector polls/job" in row and "µs/chunk" in row for row in rows)
+    assert all("µs/job" in row and "selector polls/job" in row and "µs in them)" in row and "µs/chunk" in row for row in rows)
 
 
 def test_fs_tier_worker_report_takes_a_chunk_read_apart(tmp_path: Path) -> None:
