@@ -23,7 +23,11 @@ import anyio.from_thread
 import anyio.lowlevel
 import anyio.to_thread
 
-__all__ = ["IOQueue", "DualQueuePool", "PoolStatistics", "usable_cpus"]
+__all__ = ["IOQueue", "DualQueuePool", "MAX_SLICE_ITEMS", "PoolStatistics", "usable_cpus"]
+
+#: The most items one slice of a :meth:`DualQueuePool.run_slices` batch holds, so that a long job
+#: stays open to workers that free up while it runs (a job of vLLM's usual size is one slice).
+MAX_SLICE_ITEMS = 64
 
 T = TypeVar("T")
 A = TypeVar("A")
@@ -222,11 +226,13 @@ class DualQueuePool:
 
         Slices: ``items`` are queued as one task. The worker that takes it counts the workers
         that nothing else queued will occupy and cuts the items into that many more slices of
-        consecutive items (at most :attr:`batch_slices` in all), runs the first and puts the rest
-        at the head of the queue. A job alone thus runs on as many workers as there are slices,
-        while a burst of jobs — as many as the workers, or more — goes one job per worker, each
-        with one hand-off: at page-cache speeds a hand-off costs about what a chunk read does,
-        and on a small machine the workers of several jobs already fill the cores.
+        consecutive items (at most :attr:`batch_slices` in all) — or into slices of at most
+        :data:`MAX_SLICE_ITEMS` items, if that makes more — runs the first and puts the rest at
+        the head of the queue. A job alone thus runs on as many workers as there are slices, a
+        long job is shared by the workers that free up while it runs, and a burst of jobs — as
+        many as the workers, or more — goes one job per worker, each with one hand-off: at
+        page-cache speeds a hand-off costs about what a chunk read does, and on a small machine
+        the workers of several jobs already fill the cores.
 
         Cancellation as in :meth:`run`: queued slices are withdrawn and never run, running ones
         are waited for (shielded), then the cancellation propagates — afterwards no thread
@@ -338,20 +344,19 @@ class DualQueuePool:
 
     def _cut_locked(self, batch: _Batch, queued: int) -> None:
         """Cut ``batch``'s one task (just taken, lock held) into slices for the workers that
-        the ``queued`` tasks leave idle; the slices after the first go to the queue's head."""
+        the ``queued`` tasks leave idle, and into slices of at most :data:`MAX_SLICE_ITEMS`
+        items; the slices after the first go to the queue's head."""
         batch.cut = True
-        idle = self._n_read + self._n_write - self._running - queued
-        if idle <= 0:
-            return
         task = batch.tasks[0]
         items = task.args[0]
-        parts = min(self.batch_slices, 1 + idle, len(items))
-        if parts < 2:
-            return
+        idle = self._n_read + self._n_write - self._running - queued
         # Slices, not single calls: one lock/wake-up/result per slice rather than per chunk (a
         # page-cache read of a chunk costs about as much as a hand-off). As many slices as CPU
-        # cores by default: page-cache copies and checksums are CPU work, so more threads on one
-        # batch than cores only add switching.
+        # cores at most for idle workers: page-cache copies and checksums are CPU work, so more
+        # threads on one batch than cores only add switching.
+        parts = max(min(self.batch_slices, 1 + idle), -(-len(items) // MAX_SLICE_ITEMS))
+        if parts < 2:
+            return
         size = -(-len(items) // parts)
         task.args = (items[:size],)
         rest = [_Task(task.fn, (items[i : i + size],), batch) for i in range(size, len(items), size)]

@@ -18,7 +18,7 @@ from kvtier.layout import Namespace
 from kvtier.tiers.codec import ChunkCodec
 from kvtier.tiers.fs import beneath, chunks
 from kvtier.tiers.fs import tier as fs_tier
-from kvtier.tiers.fs.pool import DualQueuePool, IOQueue
+from kvtier.tiers.fs.pool import MAX_SLICE_ITEMS, DualQueuePool, IOQueue
 from kvtier.tiers.integrity import ACCEPTED_VERIFIED, SizeClass, identity, make_trailer_page, verify
 
 
@@ -678,6 +678,37 @@ async def test_a_batch_is_cut_for_the_idle_workers_only() -> None:
     finally:
         await pool.aclose()
     assert sorted(parts) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+
+
+@pytest.mark.anyio
+async def test_a_long_batch_is_cut_for_the_workers_that_free_up_while_it_runs() -> None:
+    pool = DualQueuePool(1, 1, batch_slices=2)
+    hold, held = threading.Event(), threading.Event()
+    parts: list[list[int]] = []
+
+    def blocker() -> None:
+        held.set()
+        hold.wait(10)
+
+    def record(part: Sequence[int]) -> list[int]:
+        parts.append(list(part))
+        hold.set()  # the other worker frees up once the batch runs: it takes the next slices
+        return list(part)
+
+    n = 3 * MAX_SLICE_ITEMS + 1
+    pool.start()
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(pool.run, IOQueue.WRITE, blocker)
+            await anyio.to_thread.run_sync(held.wait)  # no idle worker when the batch is taken
+            assert await pool.run_slices(IOQueue.READ, record, list(range(n))) == list(range(n))
+    finally:
+        await pool.aclose()
+    # Four slices of consecutive items, as even as they come, none longer than MAX_SLICE_ITEMS.
+    size = -(-n // 4)
+    assert sorted(parts) == [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+    assert len(parts) == 4 and max(map(len, parts)) <= MAX_SLICE_ITEMS
+    assert pool.statistics().completed == 1 + 4
 
 
 @pytest.mark.anyio
