@@ -6,7 +6,7 @@ import errno
 import hashlib
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import anyio
@@ -613,101 +613,95 @@ async def test_cancelling_batches_withdraws_queued_slices_and_waits_for_running_
     assert sorted(ran) == list(range(2 * size))
 
 
+class Occupier:
+    """Holds ``n`` pool workers busy (:meth:`block`) until :attr:`release` is set, and records the
+    slices of a batch (:meth:`record`, calling :attr:`on_slice` after each)."""
+
+    def __init__(self, n: int) -> None:
+        self.release = threading.Event()
+        self._busy = threading.Barrier(n + 1, timeout=10)
+        self.on_slice: Callable[[], object] = lambda: None
+        self.parts: list[list[int]] = []
+
+    def block(self) -> None:
+        self._busy.wait()
+        self.release.wait(10)
+
+    async def occupied(self) -> None:
+        """Return once the ``n`` workers run :meth:`block`."""
+        await anyio.to_thread.run_sync(self._busy.wait)
+
+    def record(self, part: Sequence[int]) -> list[int]:
+        self.parts.append(list(part))
+        self.on_slice()
+        return list(part)
+
+
 @pytest.mark.anyio
 async def test_batches_that_find_every_worker_busy_or_spoken_for_run_whole() -> None:
     pool = DualQueuePool(1, 1, batch_slices=2)
-    hold, held = threading.Event(), threading.Barrier(3, timeout=10)
     both_running = threading.Barrier(2, timeout=10)  # a batch's worker is still on it when the other starts
-    parts: list[list[int]] = []
-
-    def blocker() -> None:
-        held.wait()
-        hold.wait(10)
-
-    def record(part: Sequence[int]) -> list[int]:
-        parts.append(list(part))
-        both_running.wait()
-        return list(part)
-
+    workers = Occupier(2)
+    workers.on_slice = both_running.wait
     pool.start()
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(pool.run, IOQueue.READ, blocker)
-            tg.start_soon(pool.run, IOQueue.WRITE, blocker)
-            await anyio.to_thread.run_sync(held.wait)  # both workers busy
+            tg.start_soon(pool.run, IOQueue.READ, workers.block)
+            tg.start_soon(pool.run, IOQueue.WRITE, workers.block)
+            await workers.occupied()
             outcomes: dict[int, list[int | BaseException]] = {}
 
             async def batch(first: int) -> None:
-                outcomes[first] = await pool.run_slices(IOQueue.READ, record, list(range(first, first + 8)))
+                outcomes[first] = await pool.run_slices(IOQueue.READ, workers.record, list(range(first, first + 8)))
 
             tg.start_soon(batch, 0)
             tg.start_soon(batch, 10)
             with anyio.fail_after(5):
                 while pool.statistics().queued_reads != 2:
                     await anyio.sleep(0.001)
-            hold.set()
+            workers.release.set()
     finally:
         await pool.aclose()
     # Two batches for two workers: each worker takes one whole, whatever the other is doing then.
-    assert sorted(parts) == [list(range(8)), list(range(10, 18))]
+    assert sorted(workers.parts) == [list(range(8)), list(range(10, 18))]
     assert outcomes == {0: list(range(8)), 10: list(range(10, 18))}
 
 
 @pytest.mark.anyio
 async def test_a_batch_is_cut_for_the_idle_workers_only() -> None:
     pool = DualQueuePool(2, 2, batch_slices=4)
-    hold, held = threading.Event(), threading.Event()
-    parts: list[list[int]] = []
-
-    def blocker() -> None:
-        held.set()
-        hold.wait(10)
-
-    def record(part: Sequence[int]) -> list[int]:
-        parts.append(list(part))
-        return list(part)
-
+    workers = Occupier(1)
     pool.start()
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(pool.run, IOQueue.WRITE, blocker)
-            await anyio.to_thread.run_sync(held.wait)
+            tg.start_soon(pool.run, IOQueue.WRITE, workers.block)
+            await workers.occupied()
             # One of four workers busy: the batch's worker and the two idle ones share it.
-            assert await pool.run_slices(IOQueue.READ, record, list(range(8))) == list(range(8))
-            hold.set()
+            assert await pool.run_slices(IOQueue.READ, workers.record, list(range(8))) == list(range(8))
+            workers.release.set()
     finally:
         await pool.aclose()
-    assert sorted(parts) == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert sorted(workers.parts) == [[0, 1, 2], [3, 4, 5], [6, 7]]
 
 
 @pytest.mark.anyio
 async def test_a_long_batch_is_cut_for_the_workers_that_free_up_while_it_runs() -> None:
     pool = DualQueuePool(1, 1, batch_slices=2)
-    hold, held = threading.Event(), threading.Event()
-    parts: list[list[int]] = []
-
-    def blocker() -> None:
-        held.set()
-        hold.wait(10)
-
-    def record(part: Sequence[int]) -> list[int]:
-        parts.append(list(part))
-        hold.set()  # the other worker frees up once the batch runs: it takes the next slices
-        return list(part)
-
+    workers = Occupier(1)
+    workers.on_slice = workers.release.set  # the other worker frees up once the batch runs
     n = 3 * MAX_SLICE_ITEMS + 1
     pool.start()
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(pool.run, IOQueue.WRITE, blocker)
-            await anyio.to_thread.run_sync(held.wait)  # no idle worker when the batch is taken
-            assert await pool.run_slices(IOQueue.READ, record, list(range(n))) == list(range(n))
+            tg.start_soon(pool.run, IOQueue.WRITE, workers.block)
+            await workers.occupied()  # no idle worker when the batch is taken
+            assert await pool.run_slices(IOQueue.READ, workers.record, list(range(n))) == list(range(n))
     finally:
         await pool.aclose()
     # Four slices of consecutive items, as even as they come, none longer than MAX_SLICE_ITEMS.
     size = -(-n // 4)
-    assert sorted(parts) == [list(range(i, min(i + size, n))) for i in range(0, n, size)]
-    assert len(parts) == 4 and max(map(len, parts)) <= MAX_SLICE_ITEMS
+    assert sorted(workers.parts) == [list(range(i, min(i + size, n))) for i in range(0, n, size)]
+    assert len(workers.parts) == 4 and max(map(len, workers.parts)) <= MAX_SLICE_ITEMS
     assert pool.statistics().completed == 1 + 4
 
 
