@@ -237,8 +237,11 @@ class DualQueuePool:
         Cancellation as in :meth:`run`: queued slices are withdrawn and never run, running ones
         are waited for (shielded), then the cancellation propagates — afterwards no thread
         touches any item.
-        Raises ``anyio.ClosedResourceError`` after :meth:`aclose`.
+        Raises ``anyio.ClosedResourceError`` after :meth:`aclose`, and ``TypeError`` when
+        ``items`` is not a sequence (a worker cuts it into slices).
         """
+        if not isinstance(items, Sequence):
+            raise TypeError(f"run_slices() takes a sequence of items (a list or tuple), got {type(items).__name__}")
         if not items:
             return []
         batch = _Batch(queue)

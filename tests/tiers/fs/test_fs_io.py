@@ -706,6 +706,22 @@ async def test_a_long_batch_is_cut_for_the_workers_that_free_up_while_it_runs() 
 
 
 @pytest.mark.anyio
+@pytest.mark.timeout(60)  # a worker that died on the items would leave the call waiting for ever
+async def test_items_that_cannot_be_cut_into_slices_are_refused_at_the_call() -> None:
+    pool = DualQueuePool(1, 1)
+    pool.start()
+    try:
+        for items in ((i for i in range(3)), {1, 2, 3}):
+            with pytest.raises(TypeError, match="sequence of items"), anyio.fail_after(5):
+                await pool.run_slices(IOQueue.READ, list, items)  # type: ignore[arg-type]
+        with anyio.fail_after(5):  # every worker is still there
+            assert await pool.run_slices(IOQueue.READ, list, (1, 2, 3)) == [1, 2, 3]
+            assert await pool.run_batch(IOQueue.WRITE, lambda i: i, [(i,) for i in range(70)]) == list(range(70))
+    finally:
+        await pool.aclose()
+
+
+@pytest.mark.anyio
 async def test_closed_pool_refuses_batches() -> None:
     pool = DualQueuePool(1, 1)
     pool.start()
