@@ -269,9 +269,13 @@ class DualQueuePool:
             if outstanding:
                 with anyio.CancelScope(shield=True):
                     await batch.done.wait()
+            batch.tasks = []  # as below
             raise
+        # Tasks and their batch refer to each other: drop the tasks now, so that the items (views of
+        # a caller's buffer) go with the last reference, not with a later garbage collection.
+        tasks, batch.tasks = batch.tasks, []
         results: list[T | BaseException] = []
-        for task in batch.tasks:
+        for task in tasks:
             part = task.args[0]
             error = task.error
             if error is None:
