@@ -85,5 +85,5 @@ def load_spec(config: EngineConfig) -> OffloadingSpec:
             raise ConfigError(
                 f"spec_name: {config.spec_name!r} is not an OffloadingSpec subclass in {module_path!r}"
             )
-        logger.warning("using out-of-tree offloading spec %s from %s", config.spec_name, module_path)
+        logger.warning("using out-of-tree offloading spec %s from %r", config.spec_name, module_path)
     return cls(config)

@@ -177,7 +177,7 @@ class TreeSync:
                                    self._label, exc)
                 finally:
                     self._scanned.set()
-                logger.info("tier %s: %d chunk files (%.1f GiB) under %s, scanned in %.1f s", self._label,
+                logger.info("tier %s: %d chunk files (%.1f GiB) under %r, scanned in %.1f s", self._label,
                             len(self.index), self.index.used / 2**30, self._blocks_dir, time.monotonic() - started)
                 while True:
                     began, interval = time.monotonic(), self.rescan_interval
@@ -208,7 +208,7 @@ class TreeSync:
             return
         interval = max(_DEFAULT_RESCAN_S, pass_cpu_s / _RESCAN_CPU_SHARE)
         if interval > _DEFAULT_RESCAN_S and abs(interval - self._auto_interval) > 0.2 * self._auto_interval:
-            logger.info("tier %s: a re-sync of %s takes %.1f s of CPU; re-syncing every %.0f s (~5%% of a core)",
+            logger.info("tier %s: a re-sync of %r takes %.1f s of CPU; re-syncing every %.0f s (~5%% of a core)",
                         self._label, self._blocks_dir, pass_cpu_s, interval)
         self._auto_interval = interval
 
@@ -251,7 +251,7 @@ class TreeSync:
                 try:
                     await self.workers.walk(self._dir_fd, plan, due=paced, apply=apply)
                 except ScanWorkerStartError as exc:
-                    logger.warning("tier %s: cannot start scan worker processes (%s); walking %s on a thread "
+                    logger.warning("tier %s: cannot start scan worker processes (%s); walking %r on a thread "
                                    "(the event loop shares the interpreter with it)", self._label, exc,
                                    self._blocks_dir)
                     self._walk_in_thread = in_thread = True  # from the start: a tree walked twice is still right
@@ -264,7 +264,7 @@ class TreeSync:
         finally:
             self._passes.remove(started)
         if unreadable:
-            logger.warning("tier %s: %d directories under %s could not be read (permission denied); their "
+            logger.warning("tier %s: %d directories under %r could not be read (permission denied); their "
                            "chunks are kept as last seen, and the next re-sync tries them again", self._label,
                            unreadable, self._blocks_dir)
         self._metrics.passes.inc()
@@ -283,7 +283,7 @@ class TreeSync:
             metrics.stale_tmp.inc(batch.removed_tmp)
         if batch.removed_unsafe:
             metrics.rejected.inc(batch.removed_unsafe, "not_regular")
-            logger.warning("tier %s: removed %d links or special files from %s", self._label,
+            logger.warning("tier %s: removed %d links or special files from %r", self._label,
                            batch.removed_unsafe, self._blocks_dir)
         dropped: list[bytes] = []
         spent = 0.0

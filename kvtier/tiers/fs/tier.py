@@ -401,7 +401,7 @@ class FileSystemTier(SecondaryTier):
                 # worker (the pool's default, one slice per core, suits page-cache copies).
                 self._pool.batch_slices = self.n_read_threads + self.n_write_threads
             else:
-                logger.warning("tier %s: O_DIRECT is not available under %s; using buffered I/O",
+                logger.warning("tier %s: O_DIRECT is not available under %r; using buffered I/O",
                                self.label, self.namespace.blocks_dir)
             # What is on disk is learnt by the scan task: until it is done, unknown keys are
             # probed and reservations assume the unscanned rest fills max_bytes. A small tree is
@@ -422,7 +422,7 @@ class FileSystemTier(SecondaryTier):
                 ) from exc
             raise
         if self.max_bytes is None and _first_unbounded_open(self.namespace.blocks_dir):
-            logger.warning("tier %s: no max_bytes set, %s grows without limit (as vLLM's fs tier)",
+            logger.warning("tier %s: no max_bytes set, %r grows without limit (as vLLM's fs tier)",
                            self.label, self.namespace.blocks_dir)
 
     async def close(self) -> None:

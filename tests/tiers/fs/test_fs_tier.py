@@ -442,6 +442,20 @@ async def test_unbounded_warning_is_logged_once_per_directory_not_per_open(
     assert str(tmp_path / "a") in warnings[0] and str(tmp_path / "b") in warnings[1]
 
 
+
+@pytest.mark.anyio
+async def test_a_root_with_control_bytes_is_logged_escaped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A byte that is no UTF-8 (decoded as a lone surrogate) and a terminal escape in the root's
+    # name: written raw, the first breaks a UTF-8 log handler and the second clears the screen.
+    root = Path(os.fsdecode(os.fsencode(tmp_path) + b"/root\xff\x1b[2J"))
+    async with running(make_tier(root, None)):
+        pass
+    warnings = [r.getMessage() for r in caplog.records if "without limit" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "\\xff" in warnings[0] or "\\udcff" in warnings[0]
+    assert "\\x1b[2J" in warnings[0] and warnings[0].isprintable()
+    warnings[0].encode("utf-8")  # no lone surrogate left
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("o_direct", [False, True])
 async def test_jobs_are_cut_per_core_for_page_cache_io_and_per_worker_for_o_direct(
